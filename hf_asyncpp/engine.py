@@ -1,0 +1,187 @@
+"""One training step over the pipeline: the engine both front ends drive.
+
+A step on one rank: feed the minibatch (first stage) and its labels (last stage) to the schedule,
+which runs forward/backward of n_microbatches microbatches over this rank's stages; average
+gradients over the dp group; clip by the global norm (all stages, all dp ranks); step the optimizer
+and the LR schedule. The minibatch loss is the mean of the microbatch losses (torch's runtime
+divides gradients by n_microbatches), as in gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from transformers import AutoModelForCausalLM, get_scheduler
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from .config import TrainConfig
+from .metrics import ComputeTimer
+from .models import build_stage_modules, load_balancing_loss, plan_stages
+from .optim import build_optimizer
+from .parallel.mesh import ParallelLayout
+from .schedules import build_schedule, get_schedule_spec
+
+__all__ = ["PipelineEngine", "PipelineLoss", "StepResult", "build_full_model"]
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float  # language-model cross entropy, mean over microbatches
+    aux_loss: float  # load-balancing loss before its coefficient (0 for models without one)
+    lr: float
+    tokens: int  # tokens consumed by this step, all dp ranks
+    step_time_s: float
+    busy_s: float  # this rank's time inside stage compute
+    grad_norm: float
+
+    @property
+    def idle_fraction(self) -> float:
+        return max(0.0, 1.0 - self.busy_s / self.step_time_s) if self.step_time_s > 0 else 0.0
+
+
+class PipelineLoss:
+    """Loss of the last stage's output for one microbatch: HF's causal-LM loss + coef × aux loss.
+
+    Records each microbatch's (LM loss, aux loss) so they can be reported separately. torch's
+    stage also calls the loss once on its first step to infer gradient shapes (on a placeholder
+    target); `take(n)` therefore keeps the last n records, the step's real microbatches.
+    """
+
+    def __init__(self, vocab_size: int, aux_coef: float):
+        self.vocab_size, self.aux_coef = vocab_size, aux_coef
+        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
+        logits, router_stats = output if isinstance(output, tuple) else (output, None)
+        lm_loss = ForCausalLMLoss(logits, target, self.vocab_size)
+        if router_stats is None:
+            self.records.append((lm_loss.detach(), torch.zeros((), device=lm_loss.device)))
+            return lm_loss
+        aux_loss = load_balancing_loss(router_stats)
+        self.records.append((lm_loss.detach(), aux_loss.detach()))
+        return lm_loss + self.aux_coef * aux_loss
+
+    def take(self, n_microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        records, self.records = self.records[-n_microbatches:], []
+        return records
+
+
+def build_full_model(config: TrainConfig, model_config) -> torch.nn.Module:
+    """The whole HF model, identically on every rank: from init_from, or seeded random init."""
+    if config.init_from:
+        model = AutoModelForCausalLM.from_pretrained(config.init_from, config=model_config, dtype=torch.float32)
+    else:
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    return model.train()
+
+
+class PipelineEngine:
+    def __init__(self, config: TrainConfig, model_config, layout: ParallelLayout, model: torch.nn.Module | None = None):
+        self.config, self.layout = config, layout
+        self.spec = get_schedule_spec(config.schedule)
+        n_stages = self.spec.n_stages(layout.pp_size)
+        self.plan = plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
+        self.stage_ids = self.spec.stage_indices(layout.pp_size, layout.pp_rank)
+        model = model if model is not None else build_full_model(config, model_config)
+        self.modules = [m.to(layout.device) for m in build_stage_modules(model, self.plan, self.stage_ids)]
+        del model  # parts of other stages are released with it
+        self.stages = [
+            PipelineStage(module, s, n_stages, layout.device, group=layout.pp_group)
+            for module, s in zip(self.modules, self.stage_ids)
+        ]
+        self.holds_first_stage = 0 in self.stage_ids
+        self.holds_last_stage = n_stages - 1 in self.stage_ids
+        self.loss_fn = PipelineLoss(model_config.vocab_size, getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
+        self.schedule = build_schedule(self.spec, self.stages, config.n_microbatches, self.loss_fn)
+        self.timer = ComputeTimer(self.stages)
+        self.params = [p for module in self.modules for p in module.parameters()]
+        self.optimizer = build_optimizer(
+            config.optimizer, self.params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
+        )
+        self.lr_scheduler = get_scheduler(
+            config.lr_scheduler_type, self.optimizer, num_warmup_steps=config.warmup_steps,
+            num_training_steps=config.max_steps,
+        )
+        self.step_count = 0
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def run_microbatches(self, rows: torch.Tensor) -> None:
+        """Forward and backward of one minibatch through the pipeline; gradients accumulate."""
+        rows = rows.to(self.layout.device)
+        args = (rows,) if self.holds_first_stage else ()
+        target = rows if self.holds_last_stage else None
+        self.schedule.step(*args, target=target)
+
+    def _average_gradients_over_dp(self) -> None:
+        if self.layout.dp_size == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.layout.dp_group)
+        flat /= self.layout.dp_size
+        for p, synced in zip(self.params, torch._utils._unflatten_dense_tensors(flat, grads)):
+            p.grad = synced
+
+    def _clip_gradients(self) -> float:
+        """Global L2 norm over every stage (the dp replicas hold the same averaged gradients)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.layout.device)
+        for p in self.params:
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq, group=self.layout.pp_group)
+        norm = math.sqrt(sq.item())
+        if self.config.max_grad_norm > 0 and norm > self.config.max_grad_norm:
+            scale = self.config.max_grad_norm / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def _reduce_losses(self) -> tuple[float, float]:
+        """Mean LM and aux loss of the minibatch over all dp ranks, known on every rank."""
+        records = self.loss_fn.take(self.config.n_microbatches)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.layout.device)
+        if records:
+            totals[0] = sum(lm.double() for lm, _ in records)
+            totals[1] = sum(aux.double() for _, aux in records)
+            totals[2] = len(records)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+    def train_step(self, rows: torch.Tensor) -> StepResult:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.run_microbatches(rows)
+        busy = self.timer.take()
+        self._average_gradients_over_dp()
+        grad_norm = self._clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        loss, aux_loss = self._reduce_losses()
+        self.step_count += 1
+        return StepResult(
+            step=self.step_count,
+            loss=loss,
+            aux_loss=aux_loss,
+            lr=lr,
+            tokens=rows.numel() * self.layout.dp_size,
+            step_time_s=time.perf_counter() - start,
+            busy_s=busy,
+            grad_norm=grad_norm,
+        )
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and persistent buffers under their HF names."""
+        state = {}
+        for module in self.modules:
+            state.update({k: v.detach().cpu() for k, v in module.state_dict().items()})
+        return state

@@ -1,0 +1,86 @@
+"""The (pp, dp) device mesh and the process-group lifecycle.
+
+Rank r sits at pp_rank = r // dp, dp_rank = r % dp: the ranks of one pipeline are dp apart, the
+replicas of one stage are neighbours (on GPUs, data-parallel traffic stays inside a node).
+Backend: gloo on CPU, nccl on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .launch import LaunchInfo
+
+__all__ = ["ParallelLayout", "init_parallel", "shutdown_parallel"]
+
+
+@dataclass
+class ParallelLayout:
+    world_size: int
+    rank: int
+    pp_size: int
+    dp_size: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def pp_group(self):
+        return self.mesh.get_group("pp")
+
+    @property
+    def dp_group(self):
+        return self.mesh.get_group("dp")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) -> ParallelLayout:
+    if not launch.launched:  # plain `python train.py`: a one-rank group keeps one code path
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", launch.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    dp_size = launch.world_size // pp_size
+    mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
+    return ParallelLayout(
+        world_size=launch.world_size,
+        rank=launch.rank,
+        pp_size=pp_size,
+        dp_size=dp_size,
+        pp_rank=launch.rank // dp_size,
+        dp_rank=launch.rank % dp_size,
+        device=device,
+        mesh=mesh,
+    )
+
+
+def shutdown_parallel() -> None:
+    if dist.is_initialized():
+        dist.barrier()  # gloo sometimes aborts when a peer tears down mid-collective
+        dist.destroy_process_group()

@@ -1,0 +1,95 @@
+"""Schedule names → what each needs: stages per rank, their placement, and the action lists.
+
+The asynchronous schedules join this registry with `synchronous=False`; the engine and the config
+validation read only `ScheduleSpec`, never a class name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
+from .validate import ScheduleError, check_schedule
+
+__all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule_spec", "register_schedule"]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str
+    description: str
+    make_actions: Callable[[int, int], ComputeActions]  # (pp_size, n_microbatches) → per-rank lists
+    stages_per_rank: int = 1
+    placement: str = "loop"  # "loop": stage s on rank s % p; "v": rank r holds r and 2p − 1 − r
+    synchronous: bool = True
+
+    def n_stages(self, pp_size: int) -> int:
+        return pp_size * self.stages_per_rank
+
+    def stage_indices(self, pp_size: int, rank: int) -> list[int]:
+        if self.placement == "v":
+            return [rank, 2 * pp_size - 1 - rank]
+        return [rank + k * pp_size for k in range(self.stages_per_rank)]
+
+    def actions(self, pp_size: int, n_microbatches: int) -> ComputeActions:
+        """The compute lists, checked in one process; raises ScheduleError or ValueError."""
+        actions = self.make_actions(pp_size, n_microbatches)
+        check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches)
+        return actions
+
+    def check_microbatches(self, pp_size: int, n_microbatches: int) -> None:
+        """Raise ValueError when this schedule cannot run n_microbatches on pp_size ranks."""
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be at least 1, got {n_microbatches}")
+        try:
+            self.actions(pp_size, n_microbatches)
+        except (ValueError, ScheduleError) as err:
+            first_line = str(err).strip().splitlines()[0]
+            raise ValueError(
+                f"schedule '{self.name}' cannot run {n_microbatches} microbatches with pp_size {pp_size}: {first_line}"
+            ) from None
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {}
+
+
+def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
+    SCHEDULES[spec.name] = spec
+    return spec
+
+
+def get_schedule_spec(name: str) -> ScheduleSpec:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule '{name}'; available: {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+def _one_f_one_b(pp_size: int, n_microbatches: int) -> ComputeActions:
+    if n_microbatches < pp_size:  # torch's Schedule1F1B refuses this too
+        raise ValueError(f"1F1B needs at least as many microbatches as stages ({pp_size})")
+    return one_f_one_b_actions(pp_size, n_microbatches)
+
+
+register_schedule(ScheduleSpec("gpipe", "GPipe: all forwards, then all backwards; flush each step", gpipe_actions))
+register_schedule(ScheduleSpec("1f1b", "1F1B: one forward, one backward in steady state; flush each step", _one_f_one_b))
+register_schedule(
+    ScheduleSpec(
+        "interleaved-1f1b",
+        "Interleaved 1F1B: two stages per rank (loop placement), depth-first; flush each step",
+        partial(torch_multi_stage_actions, ScheduleInterleaved1F1B),
+        stages_per_rank=2,
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        "zbv",
+        "Zero-bubble V: two stages per rank in a V, backward split into input and weight parts",
+        partial(torch_multi_stage_actions, ScheduleZBVZeroBubble),
+        stages_per_rank=2,
+        placement="v",
+    )
+)

@@ -1,0 +1,56 @@
+"""Run a function on N real gloo ranks (spawned processes) and collect what each returns."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, queue, target, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        queue.put((rank, "ok", target(rank, world_size, *args)))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(world_size: int, target, *args, timeout_s: float = 600.0) -> list:
+    """target(rank, world_size, *args) on each rank; returns results ordered by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, queue, target, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in procs:
+            rank, status, value = queue.get(timeout=timeout_s)
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
