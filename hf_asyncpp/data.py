@@ -90,7 +90,7 @@ def build_token_blocks(dataset: str, tokenizer, seq_len: int, text_column: str =
     extra = {"sample_by": "document"} if loader == "text" else {}
     rows = load_dataset(loader, data_files=files, split="train", **extra)
     if "input_ids" in rows.column_names:
-        blocks = torch.tensor(rows["input_ids"], dtype=torch.long)
+        blocks = torch.tensor(list(rows["input_ids"]), dtype=torch.long)
         if blocks.ndim != 2 or blocks.shape[1] != seq_len:
             raise ValueError(f"dataset rows hold input_ids of shape {tuple(blocks.shape)}, expected (n, {seq_len})")
         return blocks
@@ -98,7 +98,7 @@ def build_token_blocks(dataset: str, tokenizer, seq_len: int, text_column: str =
         raise ValueError(f"dataset has no '{text_column}' column (columns: {', '.join(rows.column_names)})")
     eos = tokenizer.eos_token_id
     stream: list[int] = []
-    for ids in tokenizer(rows[text_column], add_special_tokens=False)["input_ids"]:
+    for ids in tokenizer(list(rows[text_column]), add_special_tokens=False)["input_ids"]:
         stream.extend(ids)
         stream.append(eos)
     n_blocks = len(stream) // seq_len

@@ -49,10 +49,10 @@ def theoretical_bubble(pp_size: int, n_microbatches: int) -> float:
 class MetricsWriter:
     """Appends one JSON object per logged step to <output_dir>/metrics.jsonl (main process)."""
 
-    def __init__(self, output_dir: str | Path):
+    def __init__(self, output_dir: str | Path, fresh: bool = True):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")
+        self._file = open(self.path, "w" if fresh else "a")
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -1,0 +1,143 @@
+"""A training run from a config: validate → process groups → data → engine steps → metrics → export.
+
+`training_scripts/train.py` and `hf-asyncpp train` are this module's `main`. Validation happens
+before any process group starts and before output_dir is touched; a bad config exits with status 2
+and one message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "train"]
+
+
+def _parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Pipeline-parallel pretraining of an HF causal LM. Any config key can be overridden "
+        "as --key value.",
+    )
+    parser.add_argument("--config", help="YAML config file (keys: see README, 'Config reference')")
+    return parser.parse_known_args(argv)
+
+
+def _is_reporting_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _set_threads(config, launch) -> None:
+    import torch
+
+    if config.threads_per_rank:
+        torch.set_num_threads(config.threads_per_rank)
+    elif launch.launched and not torch.cuda.is_available():
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", launch.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+@contextlib.contextmanager
+def _main_process_first(layout):
+    """Rank 0 fills the datasets cache first; the others then read it instead of racing to write it."""
+    import torch.distributed as dist
+
+    if not layout.is_main:
+        dist.barrier()
+    yield
+    if layout.is_main:
+        dist.barrier()
+
+
+def train(config, model_config, launch) -> dict:
+    """Run training on this rank; returns the last logged record (every rank)."""
+    import torch
+    import torch.distributed as dist
+    from tqdm.auto import tqdm
+
+    from .checkpoint import export_hf_model, gather_full_state_dict
+    from .data import MinibatchSampler, build_token_blocks, load_tokenizer
+    from .engine import PipelineEngine
+    from .metrics import MetricsWriter
+    from .parallel.mesh import init_parallel, shutdown_parallel
+
+    _set_threads(config, launch)
+    layout = init_parallel(launch, config.pp_size)
+    try:
+        tokenizer = load_tokenizer(config.tokenizer)
+        with _main_process_first(layout):
+            blocks = build_token_blocks(config.dataset, tokenizer, config.seq_len, config.text_column)
+        sampler = MinibatchSampler(
+            blocks, config.rows_per_step, layout.dp_rank, layout.dp_size, config.shuffle, config.seed
+        )
+        engine = PipelineEngine(config, model_config, layout)
+        writer = MetricsWriter(config.output_dir, fresh=True) if layout.is_main else None
+        if layout.is_main:
+            print(f"[hf_asyncpp] {engine.spec.name}: pp={layout.pp_size} dp={layout.dp_size}; {engine.plan.describe()}")
+        progress = tqdm(total=config.max_steps, disable=not layout.is_main, desc="train", unit="step")
+        tokens_seen, record = 0, {}
+        idle = torch.zeros(layout.world_size, dtype=torch.float64)
+        for step in range(config.max_steps):
+            result = engine.train_step(sampler.rows(step))
+            tokens_seen += result.tokens
+            progress.update(1)
+            if result.step % config.logging_steps == 0 or result.step == config.max_steps:
+                mine = torch.tensor([result.idle_fraction], dtype=torch.float64)
+                dist.all_gather_single(idle, mine)
+                record = {
+                    "step": result.step,
+                    "loss": result.loss,
+                    "aux_loss": result.aux_loss,
+                    "lr": result.lr,
+                    "grad_norm": result.grad_norm,
+                    "tokens": tokens_seen,
+                    "tokens_per_s": result.tokens / result.step_time_s,
+                    "step_time_s": result.step_time_s,
+                    "idle_fraction_per_rank": [round(v, 4) for v in idle.tolist()],
+                    "schedule": engine.spec.name,
+                }
+                progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if writer:
+                    writer.write(record)
+        progress.close()
+        if writer:
+            writer.close()
+        if config.save_final:
+            full_state = gather_full_state_dict(engine.stage_state_dict(), layout)
+            if layout.is_main:
+                out = export_hf_model(full_state, model_config, tokenizer, Path(config.output_dir) / "final")
+                print(f"[hf_asyncpp] saved {out}")
+        return record
+    finally:
+        shutdown_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parse_args(argv)
+    from .config import ConfigError, load_config, validate_config
+    from .parallel.launch import LaunchError, read_launch
+
+    try:
+        config = load_config(args.config, overrides)
+        launch = read_launch()
+        if not launch.launched and config.pp_size > 1:
+            print(f"[hf_asyncpp] one process (no launcher): pp_size {config.pp_size} → 1")
+            config.pp_size = 1
+        model_config = validate_config(config, launch.world_size)
+    except (ConfigError, LaunchError) as err:
+        if _is_reporting_rank():
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    start = time.time()
+    train(config, model_config, launch)
+    if _is_reporting_rank():
+        print(f"[hf_asyncpp] done in {time.time() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
