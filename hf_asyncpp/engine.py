@@ -179,6 +179,23 @@ class PipelineEngine:
             grad_norm=grad_norm,
         )
 
+    @torch.no_grad()
+    def eval_step(self, rows: torch.Tensor) -> tuple[float, float, torch.Tensor | None]:
+        """(LM loss, aux loss) of a minibatch without updating anything, and the logits on the rank
+        that holds the last stage (None elsewhere)."""
+        for module in self.modules:
+            module.eval()
+        try:
+            rows = rows.to(self.layout.device)
+            args = (rows,) if self.holds_first_stage else ()
+            output = self.schedule.eval(*args, target=rows if self.holds_last_stage else None)
+        finally:
+            for module in self.modules:
+                module.train()
+        loss, aux_loss = self._reduce_losses()
+        logits = output[0] if isinstance(output, tuple) else output
+        return loss, aux_loss, logits
+
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and persistent buffers under their HF names."""
         state = {}

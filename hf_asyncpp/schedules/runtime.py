@@ -5,21 +5,34 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import FORWARD, _PipelineScheduleRuntime
 
 from .registry import ScheduleSpec
+from .validate import lower_with_comms
 
 __all__ = ["ActionListSchedule", "build_schedule"]
 
 
 class ActionListSchedule(_PipelineScheduleRuntime):
-    """torch's action-list runtime fed with our checked compute lists (comms added by torch)."""
+    """torch's action-list runtime fed with our checked compute lists (comms added by torch).
+
+    `eval()` (forward only, e.g. validation loss or logits) runs the same lists with every backward
+    removed: each rank keeps its forwards in the training order, so the lowered program stays
+    deadlock-free, and the stages are the same objects, so torch's train ↔ eval switch applies.
+    """
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, actions, spec: ScheduleSpec):
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
         self.spec = spec
         self.pipeline_order = actions
         self._prepare_schedule_with_comms(actions)
+        self._train_order = self.pipeline_order_with_comms
+        forward_only = {r: [a for a in ops if a is not None and a.computation_type == FORWARD] for r, ops in actions.items()}
+        self._eval_order = lower_with_comms(forward_only, self.stage_index_to_group_rank.__getitem__, self._num_stages)
+
+    def _step_microbatches(self, *args, **kwargs):
+        self.pipeline_order_with_comms = self._train_order if self._has_backward else self._eval_order
+        return super()._step_microbatches(*args, **kwargs)
 
 
 def build_schedule(spec: ScheduleSpec, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):

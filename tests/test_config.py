@@ -1,0 +1,89 @@
+"""Configuration: YAML + `--key value` overrides, and one clear error for each kind of bad input,
+raised before any process group starts and before anything is written to output_dir."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from hf_asyncpp.config import ConfigError, TrainConfig, load_config, validate_config
+from hf_asyncpp.run import main
+
+DEFAULT_YAML = "training_scripts/configs/tiny_moe.yaml"
+
+
+def test_yaml_values_and_command_line_overrides_are_typed(tmp_path):
+    config = load_config(DEFAULT_YAML, ["--max_steps", "7", "--learning_rate=0.5", "--shuffle", "false",
+                                        "--stage_boundaries", "1,3", "--init_from", "none"])
+    assert config.max_steps == 7 and config.learning_rate == 0.5 and config.shuffle is False
+    assert config.stage_boundaries == [1, 3] and config.init_from is None
+    assert config.model_config == "tiny-moe"  # from the YAML
+    assert config.rows_per_step == config.micro_batch_size * config.n_microbatches
+
+
+def test_a_value_of_the_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match="max_steps.*int"):
+        load_config(None, ["--max_steps", "ten"])
+
+
+def test_the_default_config_validates_on_two_ranks():
+    model_config = validate_config(load_config(DEFAULT_YAML), world_size=2)
+    assert model_config.model_type == "qwen3_moe"
+
+
+def _gpt2_dir(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2).save_pretrained(tmp_path / "gpt2")
+    return str(tmp_path / "gpt2")
+
+
+BAD_INPUTS = {
+    "pp larger than layers": (["--pp_size", "8"], 8, "needs 8 stages, but the model has only 4 decoder layers"),
+    "world not divisible": (["--pp_size", "2"], 3, "world size 3 is not divisible by pp_size 2"),
+    "microbatches the schedule cannot take": (["--schedule", "1f1b", "--n_microbatches", "1"], 2,
+                                              "schedule '1f1b' cannot run 1 microbatches"),
+    "interleaved microbatches": (["--schedule", "interleaved-1f1b", "--n_microbatches", "5", "--model_config",
+                                  "tiny-mixtral"], 2, "schedule 'interleaved-1f1b' cannot run 5 microbatches"),
+    "unknown schedule": (["--schedule", "pipedream-9000"], 2, "unknown schedule 'pipedream-9000'; available: gpipe"),
+    "unknown optimizer": (["--optimizer", "adamax"], 2, "unknown optimizer 'adamax'; available: sgd, adamw"),
+    "unknown key": (["--learning_rat", "0.1"], 2, "unknown config key.*learning_rat"),
+    "unsupported model": (["--model_config", "{gpt2}"], 2, "model_type 'gpt2' is not supported.*mixtral"),
+    "missing dataset": (["--dataset", "/nonexistent/corpus/*.txt"], 2, "dataset '/nonexistent/corpus/\\*.txt' matches no files"),
+    "unknown preset": (["--model_config", "tiny-nothing"], 2, "neither a preset"),
+    "bad boundaries": (["--stage_boundaries", "3,1"], 2, "stage_boundaries must be 1 increasing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_fails_once_before_any_process_group(case, tmp_path, monkeypatch, capsys):
+    overrides, world_size, message = BAD_INPUTS[case]
+    overrides = [o.replace("{gpt2}", _gpt2_dir(tmp_path)) for o in overrides]
+    output_dir = tmp_path / "out"
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    code = main(["--config", DEFAULT_YAML, "--output_dir", str(output_dir), *overrides])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("error:") == 1 and err.strip().startswith("error:")
+    import re
+
+    assert re.search(message, err), err
+    assert not dist.is_initialized()
+    assert not output_dir.exists()
+
+
+def test_only_rank_zero_prints_the_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["--optimizer", "nope", "--output_dir", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_tied_embeddings_cannot_be_split(tmp_path):
+    from hf_asyncpp.models.presets import build_config
+
+    build_config("tiny-llama", tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    config = TrainConfig(model_config=str(tmp_path / "tied"), pp_size=2)
+    with pytest.raises(ConfigError, match="tied input/output embeddings"):
+        validate_config(config, world_size=2)
