@@ -1,0 +1,252 @@
+"""Pins the private torch.distributed.pipelining APIs hf_asyncpp.schedules is built on.
+
+These are underscore names with no stability promise. Each test names what the project uses, so a
+torch upgrade that changes one fails here, with a precise message, rather than deep inside a
+multi-process run. Update the project and these pins together.
+"""
+
+from __future__ import annotations
+
+import inspect
+from unittest import mock
+
+import pytest
+import torch
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _ComputationType,
+    _format_pipeline_order,
+    _PipelineScheduleRuntime,
+    _validate_schedule,
+)
+
+from hf_asyncpp.schedules.actions import one_f_one_b_actions, torch_multi_stage_actions
+
+
+def parse(table: dict[int, str]) -> dict[int, list[_Action]]:
+    return {r: [_Action.from_str(t) for t in ops.split()] for r, ops in table.items()}
+
+
+def as_text(program) -> dict[int, str]:
+    return {r: " ".join(str(a) for a in ops) for r, ops in program.items()}
+
+
+def mock_stage(pp_size: int, n_stages: int, rank: int = 0):
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.num_stages = rank, pp_size, n_stages
+    stage.stage_index = rank
+    stage.submod = None
+    return stage
+
+
+def test_torch_version_is_2_13():
+    """The pins below were taken on torch 2.13; on another version re-check them all."""
+    assert torch.__version__.startswith("2.13"), torch.__version__
+
+
+# --------------------------------------------------------------------------------------------
+# _Action and _ComputationType
+# --------------------------------------------------------------------------------------------
+
+
+def test_action_is_a_named_tuple_with_these_fields():
+    assert _Action._fields == ("stage_index", "computation_type", "microbatch_index", "sub_actions")
+    action = _Action(0, _ComputationType.FORWARD, 3)
+    assert (action.stage_index, action.computation_type, action.microbatch_index, action.sub_actions) == (
+        0,
+        _ComputationType.FORWARD,
+        3,
+        None,
+    )
+    assert action == _Action(0, _ComputationType.FORWARD, 3)  # value equality: usable in sets and ==
+    assert hash(action) == hash(_Action(0, _ComputationType.FORWARD, 3))
+
+
+@pytest.mark.parametrize(
+    "text, stage, kind, mb",
+    [
+        ("0F3", 0, "FORWARD", 3),
+        ("1B0", 1, "FULL_BACKWARD", 0),
+        ("2I1", 2, "BACKWARD_INPUT", 1),
+        ("2W1", 2, "BACKWARD_WEIGHT", 1),
+        ("0SEND_F1", 0, "SEND_F", 1),
+        ("1RECV_F1", 1, "RECV_F", 1),
+        ("1SEND_B0", 1, "SEND_B", 0),
+        ("0RECV_B0", 0, "RECV_B", 0),
+        ("0REDUCE_GRAD", 0, "REDUCE_GRAD", None),
+    ],
+)
+def test_action_text_form_round_trips(text, stage, kind, mb):
+    action = _Action.from_str(text)
+    assert action == _Action(stage, _ComputationType[kind], mb)
+    assert str(action) == text
+    assert repr(action) == text
+
+
+@pytest.mark.parametrize(
+    "member, value",
+    [
+        ("FORWARD", "F"),
+        ("FULL_BACKWARD", "B"),
+        ("BACKWARD_INPUT", "I"),
+        ("BACKWARD_WEIGHT", "W"),
+        ("SEND_F", "SEND_F"),
+        ("RECV_F", "RECV_F"),
+        ("SEND_B", "SEND_B"),
+        ("RECV_B", "RECV_B"),
+        ("REDUCE_GRAD", "REDUCE_GRAD"),
+    ],
+)
+def test_computation_type_values_used(member, value):
+    assert _ComputationType[member].value == value
+
+
+@pytest.mark.parametrize(
+    "alias, member",
+    [
+        ("F", "FORWARD"),
+        ("B", "FULL_BACKWARD"),
+        ("I", "BACKWARD_INPUT"),
+        ("W", "BACKWARD_WEIGHT"),
+        ("FORWARD", "FORWARD"),
+        ("FULL_BACKWARD", "FULL_BACKWARD"),
+        ("BACKWARD_INPUT", "BACKWARD_INPUT"),
+        ("BACKWARD_WEIGHT", "BACKWARD_WEIGHT"),
+        ("SEND_F", "SEND_F"),
+        ("RECV_F", "RECV_F"),
+        ("SEND_B", "SEND_B"),
+        ("RECV_B", "RECV_B"),
+        ("REDUCE_GRAD", "REDUCE_GRAD"),
+    ],
+)
+def test_module_level_aliases_imported_by_the_project(alias, member):
+    assert getattr(torch_schedules, alias) is _ComputationType[member]
+
+
+# --------------------------------------------------------------------------------------------
+# _add_send_recv: the lowering pass check_schedule and the runtime share
+# --------------------------------------------------------------------------------------------
+
+
+def test_add_send_recv_signature():
+    assert list(inspect.signature(_add_send_recv).parameters) == ["compute_actions", "stage_to_rank", "num_stages"]
+
+
+def test_add_send_recv_pairs_a_forward_across_two_ranks():
+    """SEND_F goes right after the forward on rank 0, RECV_F right before the forward on rank 1."""
+    lowered = _add_send_recv(parse({0: "0F0", 1: "1F0"}), stage_to_rank=lambda s: s, num_stages=2)
+    assert as_text(lowered) == {0: "0F0 0SEND_F0", 1: "1RECV_F0 1F0"}
+
+
+def test_add_send_recv_pairs_a_backward_across_two_ranks():
+    lowered = _add_send_recv(parse({0: "0F0 0B0", 1: "1F0 1B0"}), stage_to_rank=lambda s: s, num_stages=2)
+    assert as_text(lowered) == {0: "0F0 0SEND_F0 0RECV_B0 0B0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"}
+
+
+def test_add_send_recv_adds_nothing_between_stages_on_one_rank():
+    lowered = _add_send_recv(parse({0: "0F0 1F0 1B0 0B0"}), stage_to_rank=lambda s: 0, num_stages=2)
+    assert as_text(lowered) == {0: "0F0 1F0 1B0 0B0"}
+
+
+def test_add_send_recv_consumes_its_input():
+    """Why lower_with_comms hands it fresh lists: the input dict is emptied."""
+    compute = parse({0: "0F0", 1: "1F0"})
+    _add_send_recv(compute, stage_to_rank=lambda s: s, num_stages=2)
+    assert compute == {}
+
+
+def test_add_send_recv_gives_up_on_a_hanging_order_with_assertion_error():
+    compute = parse({0: "0F0 0B0 0F1 0B1", 1: "1F0 1F1 1B0 1B1"})
+    with pytest.raises(AssertionError, match="Malformed compute schedule, can't schedule sends/recvs"):
+        _add_send_recv(compute, stage_to_rank=lambda s: s, num_stages=2)
+
+
+# --------------------------------------------------------------------------------------------
+# _validate_schedule and _format_pipeline_order
+# --------------------------------------------------------------------------------------------
+
+
+def test_validate_schedule_signature():
+    assert list(inspect.signature(_validate_schedule).parameters) == [
+        "actions",
+        "pp_group_size",
+        "num_stages",
+        "num_microbatches",
+    ]
+
+
+def test_validate_schedule_returns_the_stage_to_rank_map():
+    assert _validate_schedule(one_f_one_b_actions(2, 4), 2, 2, 4) == {0: 0, 1: 1}
+    interleaved = torch_multi_stage_actions(torch_schedules.ScheduleInterleaved1F1B, 2, 4)
+    assert _validate_schedule(interleaved, 2, 4, 4) == {0: 0, 1: 1, 2: 0, 3: 1}
+    zbv = torch_multi_stage_actions(torch_schedules.ScheduleZBVZeroBubble, 2, 4)
+    assert _validate_schedule(zbv, 2, 4, 4) == {0: 0, 1: 1, 2: 1, 3: 0}
+
+
+def test_validate_schedule_raises_assertion_error_with_the_table():
+    with pytest.raises(AssertionError) as info:
+        _validate_schedule(parse({0: "0B0 0F0"}), 1, 1, 1)
+    message = str(info.value)
+    assert message.startswith("Rank 0, step 0: Running Full Backward for stage 0, microbatch 0 without first running Forward")
+    assert "Full pipeline schedule:" in message and "<-- ERROR HERE" in message
+
+
+def test_format_pipeline_order_is_a_rank_by_step_table():
+    table = _format_pipeline_order({0: [_Action.from_str("0F0"), None], 1: [_Action.from_str("1F0")]}, error_step_number=1)
+    lines = table.splitlines()
+    assert lines[0].split() == ["Rank", "0", "Rank", "1"]
+    assert lines[1].split() == ["Step", "0:", "0F0", "1F0"]
+    assert lines[2].startswith("Step 1:") and lines[2].endswith("<-- ERROR HERE")
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime and stage: what hf_asyncpp.schedules.runtime and the engine call
+# --------------------------------------------------------------------------------------------
+
+
+def test_runtime_prepares_a_program_from_compute_lists_without_a_process_group():
+    runtime = _PipelineScheduleRuntime(
+        stages=[mock_stage(2, 2)], n_microbatches=4, loss_fn=lambda out, target: out, scale_grads=True
+    )
+    assert callable(getattr(runtime, "_prepare_schedule_with_comms", None))
+    assert list(inspect.signature(runtime._prepare_schedule_with_comms).parameters)[0] == "actions"
+    runtime._prepare_schedule_with_comms(one_f_one_b_actions(2, 4))
+
+    assert runtime.stage_index_to_group_rank == {0: 0, 1: 1}
+    assert runtime._num_stages == 2
+    assert hasattr(runtime, "_has_backward")
+    program = as_text(runtime.pipeline_order_with_comms)
+    # the same lowering as _add_send_recv, wrapped in UNSHARD … REDUCE_GRAD RESHARD
+    assert program[1] == (
+        "1UNSHARD 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1RECV_F2 1B1 1SEND_B1 1F2 1RECV_F3 1B2 1SEND_B2 "
+        "1F3 1B3 1SEND_B3 1REDUCE_GRAD 1RESHARD"
+    )
+
+
+def test_runtime_has_the_step_hooks_the_project_overrides():
+    for name in ("_step_microbatches", "step", "eval"):
+        assert callable(getattr(_PipelineScheduleRuntime, name, None)), name
+
+
+@pytest.mark.parametrize(
+    "method, first_params",
+    [
+        ("forward_one_chunk", ["self", "fwd_chunk_id", "args"]),
+        ("backward_one_chunk", ["self", "bwd_chunk_id", "loss", "full_backward"]),
+        ("backward_weight_one_chunk", ["self", "bwd_chunk_id"]),
+    ],
+)
+def test_pipeline_stage_chunk_methods(method, first_params):
+    fn = getattr(PipelineStage, method, None)
+    assert callable(fn), method
+    assert list(inspect.signature(fn).parameters)[: len(first_params)] == first_params
+
+
+def test_multi_stage_schedules_build_their_order_from_mock_stages():
+    """torch_multi_stage_actions relies on this: the order is computed at construction, for all ranks."""
+    for cls in (torch_schedules.ScheduleInterleaved1F1B, torch_schedules.ScheduleZBVZeroBubble):
+        schedule = cls([mock_stage(2, 4), mock_stage(2, 4)], 4)
+        assert sorted(schedule.pipeline_order) == [0, 1]
