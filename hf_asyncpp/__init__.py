@@ -1,0 +1,46 @@
+"""hf_asyncpp: pipeline-parallel (and, next, asynchronous pipeline-parallel) pretraining of Hugging
+Face Mixture-of-Experts causal LMs on torch.distributed.pipelining."""
+
+from .checkpoint import export_hf_model, gather_full_state_dict
+from .config import ConfigError, TrainConfig, load_config, validate_config
+from .engine import PipelineEngine, PipelineLoss, StepResult, build_full_model
+from .models import (
+    FAMILIES,
+    PRESETS,
+    PipelineStageModule,
+    StagePlan,
+    UnsupportedModelError,
+    build_config,
+    build_stage_modules,
+    plan_stages,
+)
+from .schedules import SCHEDULES, ScheduleSpec, check_schedule, get_schedule_spec, register_schedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FAMILIES",
+    "PRESETS",
+    "SCHEDULES",
+    "ConfigError",
+    "PipelineEngine",
+    "PipelineLoss",
+    "PipelineStageModule",
+    "ScheduleSpec",
+    "StagePlan",
+    "StepResult",
+    "TrainConfig",
+    "UnsupportedModelError",
+    "__version__",
+    "build_config",
+    "build_full_model",
+    "build_stage_modules",
+    "check_schedule",
+    "export_hf_model",
+    "gather_full_state_dict",
+    "get_schedule_spec",
+    "load_config",
+    "plan_stages",
+    "register_schedule",
+    "validate_config",
+]
