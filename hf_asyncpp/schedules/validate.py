@@ -7,7 +7,9 @@ runtime uses) and then plays all ranks against each other:
   - every send has its receive and every receive its send (same stage, microbatch, direction);
   - data dependencies: stage s forwards microbatch i only after stage s−1 did, and backwards it
     only after stage s+1 did (through a receive, or earlier on the same rank);
-  - no deadlock: receives block until the matching send has run; the play must finish.
+  - no deadlock: receives block until the matching send has run; the play must finish
+    (torch's lowering already refuses most orders that would hang; both are reported the same way);
+  - stage and microbatch indices in range, and no compute op run twice.
 Any failure raises `ScheduleError` with the rank × time table, the offending step marked.
 """
 
@@ -50,13 +52,36 @@ def _fail(message: str, lowered, rank: int, step: int):
     raise ScheduleError(f"rank {rank}, step {step}: {message}\n\n{table}")
 
 
+def _check_indices_and_repeats(actions: ComputeActions, n_stages: int, n_microbatches: int) -> None:
+    """What torch's count-based check lets through: indices out of range, an op run twice."""
+    seen: set[tuple] = set()
+    for rank, ops in actions.items():
+        for step, action in enumerate(ops):
+            if action is None:
+                continue
+            for op in action.sub_actions or (action,):
+                key = (op.stage_index, op.computation_type, op.microbatch_index)
+                if not 0 <= op.stage_index < n_stages:
+                    _fail(f"{op} names stage {op.stage_index}, outside 0..{n_stages - 1}", actions, rank, step)
+                if op.microbatch_index is not None and not 0 <= op.microbatch_index < n_microbatches:
+                    _fail(f"{op} names microbatch {op.microbatch_index}, outside 0..{n_microbatches - 1}",
+                          actions, rank, step)
+                if key in seen:
+                    _fail(f"{op} runs twice", actions, rank, step)
+                seen.add(key)
+
+
 def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_microbatches: int) -> dict:
     """Validate and simulate; returns the lowered per-rank lists (compute + comms)."""
+    _check_indices_and_repeats(actions, n_stages, n_microbatches)
     try:
         stage_to_rank = _validate_schedule(actions, pp_size, n_stages, n_microbatches)
     except AssertionError as err:
         raise ScheduleError(str(err)) from None
-    lowered = lower_with_comms(actions, stage_to_rank.__getitem__, n_stages)
+    try:
+        lowered = lower_with_comms(actions, stage_to_rank.__getitem__, n_stages)
+    except AssertionError as err:  # torch's lowering gives up on orders that would hang
+        raise ScheduleError(f"{err}: an order that would hang\n\n{_format_pipeline_order(actions)}") from None
 
     sent: set[tuple] = set()  # (kind, stage, mb) messages in flight
     received: set[tuple] = set()

@@ -170,9 +170,8 @@ def test_rejects_a_wrong_number_of_ranks():
         check_schedule(parse({0: "0F0 0B0"}), 2, 2, 1)
 
 
-# Orders that hang. check_schedule currently reports these through torch's lowering pass, which
-# gives up with a bare AssertionError ("Malformed compute schedule") before the simulation runs:
-# the rejection is asserted here; the wanted ScheduleError-with-table is the xfail further down.
+# Orders that hang. torch's lowering pass gives up on them ("Malformed compute schedule") before
+# the simulation runs; check_schedule reports that as a ScheduleError with the rank x time table.
 
 HANGS = {
     # rank 1 forwards microbatch 1 first, but rank 0 sends microbatch 1 only after backwarding 0,
@@ -187,17 +186,10 @@ HANGS = {
 @pytest.mark.parametrize("case", sorted(HANGS))
 def test_rejects_orders_that_hang(case):
     actions = parse(HANGS[case])
-    with pytest.raises(AssertionError, match="Malformed compute schedule, can't schedule sends/recvs"):
+    with pytest.raises(ScheduleError, match="Malformed compute schedule, can't schedule sends/recvs"):
         check_schedule(actions, 2, 2, 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known gap: check_schedule does not catch the AssertionError torch's _add_send_recv raises for "
-    "hanging orders, so it is not a ScheduleError, has no rank x time table, and check_microbatches "
-    "does not turn it into a ValueError",
-)
 @pytest.mark.parametrize("case", sorted(HANGS))
 def test_hanging_orders_raise_schedule_error_with_the_table(case):
     actions = parse(HANGS[case])
@@ -212,8 +204,8 @@ def test_hanging_orders_raise_schedule_error_with_the_table(case):
 def test_rejects_torch_schedule_1f1b_listing():
     """torch 2.13's own Schedule1F1B listing fails validation (current behaviour, asserted on purpose).
 
-    On the last rank it forwards microbatches 1..m instead of 0..m−1, so its first backward (of
-    microbatch 0) has no forward. This is why actions.py generates 1F1B itself. If torch fixes its
+    On the last rank it forwards microbatches 1..m instead of 0..m−1: microbatch m does not exist
+    and microbatch 0's backward has no forward. This is why actions.py generates 1F1B itself. If torch fixes its
     listing this test fails: then the listing can be used directly and this test rewritten.
     """
     ops = get_schedule_ops(Schedule1F1B, 2, 4, 1)
@@ -221,28 +213,25 @@ def test_rejects_torch_schedule_1f1b_listing():
     with pytest.raises(ScheduleError) as info:
         check_schedule(actions, 2, 2, 4)
     message = str(info.value)
-    assert "Rank 1, step 1: Running Full Backward for stage 1, microbatch 0 without first running Forward" in message
-    assert_has_table(message, error_step=1)
+    assert "rank 1, step 6: 1F4 names microbatch 4, outside 0..3" in message
+    assert_has_table(message, error_step=6)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: microbatch indices are not checked against range(n_microbatches)")
 def test_rejects_microbatch_indices_out_of_range():
     """Both ranks forward and backward 'microbatch 5' of 2: the counts match, the indices do not."""
     actions = parse({0: "0F0 0F5 0B0 0B5", 1: "1F0 1F5 1B0 1B5"})
-    with pytest.raises(ScheduleError):
+    with pytest.raises(ScheduleError, match="names microbatch 5, outside 0..1"):
         check_schedule(actions, 2, 2, 2)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: torch's count check uses sets, so a repeated forward slips through")
 def test_rejects_a_microbatch_forwarded_twice():
     actions = parse({0: "0F0 0F0 0F1 0B0 0B1", 1: "1F0 1F1 1B0 1B1"})
-    with pytest.raises(ScheduleError):
+    with pytest.raises(ScheduleError, match="0F0 runs twice"):
         check_schedule(actions, 2, 2, 2)
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="known gap: a stage index >= n_stages escapes as KeyError")
 def test_rejects_a_stage_index_beyond_n_stages():
-    with pytest.raises(ScheduleError):
+    with pytest.raises(ScheduleError, match="names stage 1, outside 0..0"):
         check_schedule(parse({0: "0F0 0B0", 1: "1F0 1B0"}), 2, 1, 1)
 
 
