@@ -31,6 +31,7 @@ class TrainConfig:
     init_from: str | None = None  # HF model directory whose weights start the run
     attn_implementation: str | None = None  # sdpa / eager; None keeps the model's default
     router_aux_loss_coef: float | None = None  # None keeps the model config's value
+    router_bias_update_rate: float = 0.001  # DeepSeek-V3 routing-bias step γ (0 freezes the bias)
     # data
     dataset: str = "shakespeare"  # "shakespeare" (offline corpus) or text/jsonl/parquet files (globs ok)
     text_column: str = "text"
@@ -151,6 +152,8 @@ def validate_config(config: TrainConfig, world_size: int):
         _require(getattr(config, key) >= 1, f"{key} must be at least 1, got {getattr(config, key)}")
     _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
     _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")
+    _require(config.router_bias_update_rate >= 0,
+             f"router_bias_update_rate must be >= 0, got {config.router_bias_update_rate}")
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
     _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")
     schedulers = [s.value for s in SchedulerType]

@@ -109,6 +109,7 @@ class PipelineEngine:
             config.lr_scheduler_type, self.optimizer, num_warmup_steps=config.warmup_steps,
             num_training_steps=config.max_steps,
         )
+        self._routing_load_counters = [m.routing_load for m in self.modules if m.routing_load is not None]
         self.step_count = 0
 
     # --- the step -------------------------------------------------------------------------------
@@ -159,6 +160,8 @@ class PipelineEngine:
     def train_step(self, rows: torch.Tensor) -> StepResult:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        for counter in self._routing_load_counters:
+            counter.reset()
         self.run_microbatches(rows)
         busy = self.timer.take()
         self._average_gradients_over_dp()
@@ -166,6 +169,8 @@ class PipelineEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.lr_scheduler.step()
+        for counter in self._routing_load_counters:
+            counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
         loss, aux_loss = self._reduce_losses()
         self.step_count += 1
         return StepResult(

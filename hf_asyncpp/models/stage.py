@@ -18,6 +18,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from .families import family_for, layer_attention_type
 from .router_stats import add_router_logits, empty_router_stats
+from .routing_bias import RoutingLoadCounter
 
 __all__ = ["PipelineStageModule", "router_class_of"]
 
@@ -68,6 +69,12 @@ class PipelineStageModule(nn.Module):
             for module in self.model.layers.modules():
                 if isinstance(module, router_class):
                     module.register_forward_hook(self._record_router_logits)
+        # DeepSeek-V3 style routers: counts of tokens per expert for the bias update.
+        self.routing_load = (
+            RoutingLoadCounter(self.model.layers, router_class)
+            if self.family.has_routing_bias and router_class is not None
+            else None
+        )
 
     def _record_router_logits(self, module, args, output):
         self._router_logits.append(output[0])
