@@ -140,7 +140,6 @@ def _require(condition: bool, message: str) -> None:
 def validate_config(config: TrainConfig, world_size: int):
     """Check everything before a process group exists. Returns the HF model config to build."""
     # Imported here: config parsing stays light, validation needs the model and schedule layers.
-    from transformers import get_scheduler  # noqa: F401  (import errors surface here, not mid-run)
     from transformers.trainer_utils import SchedulerType
 
     from .data import check_dataset_source, check_tokenizer_source

@@ -101,7 +101,7 @@ def build_token_blocks(dataset: str, tokenizer, seq_len: int, text_column: str =
         raise ValueError(f"dataset has no '{text_column}' column (columns: {', '.join(rows.column_names)})")
     eos = tokenizer.eos_token_id
     stream: list[int] = []
-    for ids in tokenizer(list(rows[text_column]), add_special_tokens=False)["input_ids"]:
+    for ids in tokenizer(list(rows[text_column]), add_special_tokens=False, verbose=False)["input_ids"]:
         stream.extend(ids)
         stream.append(eos)
     n_blocks = len(stream) // seq_len

@@ -99,8 +99,8 @@ class PipelineEngine:
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids
         self.loss_fn = PipelineLoss(model_config.vocab_size, getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
-        self.schedule = build_schedule(self.spec, self.stages, config.n_microbatches, self.loss_fn)
         self.timer = ComputeTimer(self.stages)
+        self.schedule = build_schedule(self.spec, self.stages, config.n_microbatches, self.timer.timed(self.loss_fn))
         self.params = [p for module in self.modules for p in module.parameters()]
         self.optimizer = build_optimizer(
             config.optimizer, self.params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
@@ -159,6 +159,7 @@ class PipelineEngine:
 
     def train_step(self, rows: torch.Tensor) -> StepResult:
         start = time.perf_counter()
+        self.timer.take()  # drop compute time of anything run since the last step (e.g. evaluation)
         self.optimizer.zero_grad(set_to_none=True)
         for counter in self._routing_load_counters:
             counter.reset()

@@ -13,10 +13,11 @@ _COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_
 
 
 class ComputeTimer:
-    """Wall time this rank spends inside stage compute (forward, backward, weight-backward).
+    """Wall time this rank spends inside stage compute (forward, backward, weight-backward, and
+    the loss, which torch's schedule evaluates outside the stage's forward).
 
     idle fraction = 1 − busy / step time: waiting for activations or gradients (the bubble),
-    plus communication that is not overlapped.
+    communication that is not overlapped, and the step's tail (gradient sync, optimizer step).
     """
 
     def __init__(self, stages):
@@ -24,9 +25,10 @@ class ComputeTimer:
         for stage in stages:
             for name in _COMPUTE_METHODS:
                 if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name)))
+                    setattr(stage, name, self.timed(getattr(stage, name)))
 
-    def _timed(self, method):
+    def timed(self, method):
+        """`method`, with its wall time added to busy time."""
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:

@@ -80,13 +80,13 @@ def train(config, model_config, launch) -> dict:
             print(f"[hf_asyncpp] {engine.spec.name}: pp={layout.pp_size} dp={layout.dp_size}; {engine.plan.describe()}")
         progress = tqdm(total=config.max_steps, disable=not layout.is_main, desc="train", unit="step")
         tokens_seen, record = 0, {}
-        idle = torch.zeros(layout.world_size, dtype=torch.float64)
+        idle = torch.zeros(layout.world_size, dtype=torch.float64, device=layout.device)
         for step in range(config.max_steps):
             result = engine.train_step(sampler.rows(step))
             tokens_seen += result.tokens
             progress.update(1)
             if result.step % config.logging_steps == 0 or result.step == config.max_steps:
-                mine = torch.tensor([result.idle_fraction], dtype=torch.float64)
+                mine = torch.tensor([result.idle_fraction], dtype=torch.float64, device=layout.device)
                 dist.all_gather_single(idle, mine)
                 record = {
                     "step": result.step,

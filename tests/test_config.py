@@ -52,6 +52,7 @@ BAD_INPUTS = {
     "missing dataset": (["--dataset", "/nonexistent/corpus/*.txt"], 2, "dataset '/nonexistent/corpus/\\*.txt' matches no files"),
     "unknown preset": (["--model_config", "tiny-nothing"], 2, "neither a preset"),
     "bad boundaries": (["--stage_boundaries", "3,1"], 2, "stage_boundaries must be 1 increasing"),
+    "missing init_from": (["--init_from", "/nonexistent/model"], 2, "init_from '/nonexistent/model' is not a model directory"),
 }
 
 
@@ -87,3 +88,19 @@ def test_tied_embeddings_cannot_be_split(tmp_path):
     config = TrainConfig(model_config=str(tmp_path / "tied"), pp_size=2)
     with pytest.raises(ConfigError, match="tied input/output embeddings"):
         validate_config(config, world_size=2)
+
+
+def test_init_from_starts_from_the_saved_weights_and_config(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_asyncpp.engine import build_full_model
+    from hf_asyncpp.models.presets import build_config
+
+    saved = AutoModelForCausalLM.from_config(build_config("tiny-olmoe", num_hidden_layers=2))
+    saved.save_pretrained(tmp_path / "start")
+    config = TrainConfig(init_from=str(tmp_path / "start"), model_config="tiny-moe", pp_size=2)
+    model_config = validate_config(config, world_size=2)
+    assert model_config.model_type == "olmoe"  # init_from's own config wins over model_config
+    loaded = build_full_model(config, model_config)
+    for name, tensor in saved.state_dict().items():
+        assert (loaded.state_dict()[name] == tensor).all(), name
