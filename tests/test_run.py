@@ -84,12 +84,19 @@ def _check_run(out, expected_losses, reference_model, n_ranks):
     assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) < 1e-5
 
 
+LAUNCHERS = {
+    "accelerate": (["accelerate", "launch", "--config_file", "training_scripts/accelerate/cpu_2proc.yaml"], "1f1b"),
+    "torchrun": (["torchrun", "--nproc_per_node", "2"], "interleaved-1f1b"),
+}
+
+
 @pytest.mark.multirank
-def test_accelerate_launch_on_two_ranks_follows_the_recursion(tmp_path):
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_launched_on_two_ranks_the_run_follows_the_recursion(tmp_path, launcher):
     config, rows = _setup(tmp_path)
     out = tmp_path / "run"
-    cmd = ["accelerate", "launch", "--config_file", "training_scripts/accelerate/cpu_2proc.yaml", *TRAIN,
-           *_overrides(tmp_path, out), "--pp_size", "2", "--schedule", "1f1b"]
+    prefix, schedule = LAUNCHERS[launcher]
+    cmd = [*prefix, *TRAIN, *_overrides(tmp_path, out), "--pp_size", "2", "--schedule", schedule]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses, model = _reference(config, rows)
