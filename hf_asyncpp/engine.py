@@ -20,29 +20,54 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .config import TrainConfig
-from .metrics import ComputeTimer
+from .metrics import ComputeTimer, ReducedStepStats
 from .models import build_stage_modules, load_balancing_loss, plan_stages
 from .optim import build_optimizer
+from .optim.delay import StalenessEmulator
 from .parallel.mesh import ParallelLayout
 from .schedules import build_schedule, get_schedule_spec
+from .schedules.async_runtime import AsyncPipelineSchedule
+from .schedules.weight_versions import VersionedStage
 
 __all__ = ["PipelineEngine", "PipelineLoss", "StepResult", "build_full_model"]
 
 
 @dataclass
 class StepResult:
+    """What one step did. Losses, idle fractions and the gradient norm come from every rank through
+    one asynchronous all-reduce (so asynchronous schedules never wait on each other); reading them
+    waits for it."""
+
     step: int
-    loss: float  # language-model cross entropy, mean over microbatches
-    aux_loss: float  # load-balancing loss before its coefficient (0 for models without one)
     lr: float
     tokens: int  # tokens consumed by this step, all dp ranks
     step_time_s: float
     busy_s: float  # this rank's time inside stage compute
-    grad_norm: float
+    reduced: "ReducedStepStats"
 
     @property
     def idle_fraction(self) -> float:
+        """This rank's share of the step outside stage compute."""
         return max(0.0, 1.0 - self.busy_s / self.step_time_s) if self.step_time_s > 0 else 0.0
+
+    @property
+    def loss(self) -> float:
+        """Language-model cross entropy, mean over the minibatch's microbatches and dp replicas."""
+        return self.reduced.value("loss")
+
+    @property
+    def aux_loss(self) -> float:
+        """Load-balancing loss before its coefficient (0 for models without one)."""
+        return self.reduced.value("aux_loss")
+
+    @property
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient before clipping, over all stages."""
+        return self.reduced.value("grad_norm")
+
+    @property
+    def idle_fraction_per_rank(self) -> list[float]:
+        return self.reduced.value("idle_fraction_per_rank")
 
 
 class PipelineLoss:
@@ -92,34 +117,55 @@ class PipelineEngine:
         model = model if model is not None else build_full_model(config, model_config)
         self.modules = [m.to(layout.device) for m in build_stage_modules(model, self.plan, self.stage_ids)]
         del model  # parts of other stages are released with it
+        order = self.spec.order
+        # An asynchronous schedule on a real pipeline binds microbatches to weight versions; on one
+        # rank (pp_size 1) the same update rule is emulated by the optimizer wrapper instead.
+        self.versioned = [VersionedStage(m, order.n_buffers) for m in self.modules] if order and n_stages > 1 else []
+        submods = self.versioned or self.modules
         self.stages = [
-            PipelineStage(module, s, n_stages, layout.device, group=layout.pp_group)
-            for module, s in zip(self.modules, self.stage_ids)
+            PipelineStage(submod, s, n_stages, layout.device, group=layout.pp_group)
+            for submod, s in zip(submods, self.stage_ids)
         ]
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids
         self.loss_fn = PipelineLoss(model_config.vocab_size, getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
         self.timer = ComputeTimer(self.stages)
-        self.schedule = build_schedule(self.spec, self.stages, config.n_microbatches, self.timer.timed(self.loss_fn))
+        timed_loss = self.timer.timed(self.loss_fn)
+        if self.versioned:
+            self.schedule = AsyncPipelineSchedule(self.stages, config.n_microbatches, timed_loss, order, config.max_steps)
+        else:
+            sync_spec = get_schedule_spec("gpipe") if order else self.spec
+            self.schedule = build_schedule(sync_spec, self.stages, config.n_microbatches, timed_loss)
         self.params = [p for module in self.modules for p in module.parameters()]
         self.optimizer = build_optimizer(
             config.optimizer, self.params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
+        )
+        self.emulator = (
+            StalenessEmulator(self.optimizer, {p: order.delay(0, 1) for p in self.params})
+            if order and not self.versioned else None
         )
         self.lr_scheduler = get_scheduler(
             config.lr_scheduler_type, self.optimizer, num_warmup_steps=config.warmup_steps,
             num_training_steps=config.max_steps,
         )
         self._routing_load_counters = [m.routing_load for m in self.modules if m.routing_load is not None]
+        self._unfinished: list[ReducedStepStats] = []
         self.step_count = 0
 
     # --- the step -------------------------------------------------------------------------------
 
     def run_microbatches(self, rows: torch.Tensor) -> None:
-        """Forward and backward of one minibatch through the pipeline; gradients accumulate."""
+        """Forward and backward of one minibatch through a synchronous schedule; gradients accumulate."""
         rows = rows.to(self.layout.device)
         args = (rows,) if self.holds_first_stage else ()
         target = rows if self.holds_last_stage else None
         self.schedule.step(*args, target=target)
+
+    def _run_async_segment(self, rows: torch.Tensor, next_rows: torch.Tensor | None) -> None:
+        device = self.layout.device
+        self.schedule.run_step(rows.to(device), None if next_rows is None else next_rows.to(device))
+        for versioned, stage in zip(self.versioned, self.stage_ids):
+            versioned.move_gradients_to_master(self.schedule.gradient_buffer(stage), 1.0 / self.config.n_microbatches)
 
     def _average_gradients_over_dp(self) -> None:
         if self.layout.dp_size == 1:
@@ -132,63 +178,81 @@ class PipelineEngine:
             p.grad = synced
 
     def _clip_gradients(self) -> float:
-        """Global L2 norm over every stage (the dp replicas hold the same averaged gradients)."""
+        """Clip by the L2 norm and return this rank's squared norm (dp replicas hold the same
+        averaged gradients). Synchronous schedules clip by the global norm over all stages; the
+        asynchronous ones by each stage's own norm, since a pipeline-wide norm would make every
+        stage wait for the others at every step, which is the bubble they exist to remove."""
         sq = torch.zeros((), dtype=torch.float64, device=self.layout.device)
         for p in self.params:
             if p.grad is not None:
                 sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self.layout.pp_group)
+        local_sq = sq.item()
+        if self.spec.synchronous:
+            dist.all_reduce(sq, group=self.layout.pp_group)
         norm = math.sqrt(sq.item())
         if self.config.max_grad_norm > 0 and norm > self.config.max_grad_norm:
             scale = self.config.max_grad_norm / (norm + 1e-6)
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        return norm
+        return local_sq
 
-    def _reduce_losses(self) -> tuple[float, float]:
-        """Mean LM and aux loss of the minibatch over all dp ranks, known on every rank."""
-        records = self.loss_fn.take(self.config.n_microbatches)
-        totals = torch.zeros(3, dtype=torch.float64, device=self.layout.device)
-        if records:
-            totals[0] = sum(lm.double() for lm, _ in records)
-            totals[1] = sum(aux.double() for _, aux in records)
-            totals[2] = len(records)
-        dist.all_reduce(totals)
-        return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
-
-    def train_step(self, rows: torch.Tensor) -> StepResult:
+    def train_step(self, rows: torch.Tensor, next_rows: torch.Tensor | None = None) -> StepResult:
+        """One optimizer step on minibatch `rows`. Asynchronous schedules on a pipeline also forward
+        into the next minibatch: pass its rows as `next_rows` (None on the last step, which drains)."""
         start = time.perf_counter()
         self.timer.take()  # drop compute time of anything run since the last step (e.g. evaluation)
         self.optimizer.zero_grad(set_to_none=True)
         for counter in self._routing_load_counters:
             counter.reset()
-        self.run_microbatches(rows)
+        if self.versioned:
+            self._run_async_segment(rows, next_rows)
+        elif self.emulator:
+            with self.emulator.stale_weights():
+                self.run_microbatches(rows)
+        else:
+            self.run_microbatches(rows)
         busy = self.timer.take()
         self._average_gradients_over_dp()
-        grad_norm = self._clip_gradients()
+        grad_sq_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        if self.emulator:
+            self.emulator.step()
+        else:
+            self.optimizer.step()
         self.lr_scheduler.step()
+        for versioned, stage in zip(self.versioned, self.stage_ids):
+            versioned.publish_master(self.spec.order.buffer_written_after(stage, self.layout.pp_size, self.step_count))
         for counter in self._routing_load_counters:
             counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
-        loss, aux_loss = self._reduce_losses()
         self.step_count += 1
-        return StepResult(
-            step=self.step_count,
-            loss=loss,
-            aux_loss=aux_loss,
-            lr=lr,
-            tokens=rows.numel() * self.layout.dp_size,
-            step_time_s=time.perf_counter() - start,
-            busy_s=busy,
-            grad_norm=grad_norm,
+        step_time = time.perf_counter() - start
+        reduced = ReducedStepStats(
+            self.loss_fn.take(self.config.n_microbatches),
+            grad_sq_norm if self.layout.dp_rank == 0 else None,
+            max(0.0, 1.0 - busy / step_time),
+            self.layout.rank,
+            self.layout.world_size,
+            self.layout.device,
         )
+        self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]
+        return StepResult(self.step_count, lr, rows.numel() * self.layout.dp_size, step_time, busy, reduced)
+
+    def finish(self) -> None:
+        """Wait for every step's statistics reduction (call before tearing down process groups)."""
+        for reduced in self._unfinished:
+            reduced.value("loss")
+        self._unfinished = []
 
     @torch.no_grad()
     def eval_step(self, rows: torch.Tensor) -> tuple[float, float, torch.Tensor | None]:
         """(LM loss, aux loss) of a minibatch without updating anything, and the logits on the rank
         that holds the last stage (None elsewhere)."""
+        if self.versioned:
+            raise NotImplementedError(
+                "evaluation on an asynchronous pipeline needs its in-flight microbatches drained; "
+                "it is not supported yet (export the model and evaluate it, or use the emulator, pp_size 1)"
+            )
         for module in self.modules:
             module.eval()
         try:
@@ -198,9 +262,10 @@ class PipelineEngine:
         finally:
             for module in self.modules:
                 module.train()
-        loss, aux_loss = self._reduce_losses()
+        reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout.rank,
+                                   self.layout.world_size, self.layout.device)
         logits = output[0] if isinstance(output, tuple) else output
-        return loss, aux_loss, logits
+        return reduced.value("loss"), reduced.value("aux_loss"), logits
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and persistent buffers under their HF names."""

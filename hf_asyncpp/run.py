@@ -54,9 +54,7 @@ def _main_process_first(layout):
 
 
 def train(config, model_config, launch) -> dict:
-    """Run training on this rank; returns the last logged record (every rank)."""
-    import torch
-    import torch.distributed as dist
+    """Run training on this rank; returns the last logged record (main process; {} elsewhere)."""
     from tqdm.auto import tqdm
 
     from .checkpoint import export_hf_model, gather_full_state_dict
@@ -80,14 +78,12 @@ def train(config, model_config, launch) -> dict:
             print(f"[hf_asyncpp] {engine.spec.name}: pp={layout.pp_size} dp={layout.dp_size}; {engine.plan.describe()}")
         progress = tqdm(total=config.max_steps, disable=not layout.is_main, desc="train", unit="step")
         tokens_seen, record = 0, {}
-        idle = torch.zeros(layout.world_size, dtype=torch.float64, device=layout.device)
         for step in range(config.max_steps):
-            result = engine.train_step(sampler.rows(step))
+            next_rows = sampler.rows(step + 1) if step + 1 < config.max_steps else None
+            result = engine.train_step(sampler.rows(step), next_rows)
             tokens_seen += result.tokens
             progress.update(1)
-            if result.step % config.logging_steps == 0 or result.step == config.max_steps:
-                mine = torch.tensor([result.idle_fraction], dtype=torch.float64, device=layout.device)
-                dist.all_gather_single(idle, mine)
+            if layout.is_main and (result.step % config.logging_steps == 0 or result.step == config.max_steps):
                 record = {
                     "step": result.step,
                     "loss": result.loss,
@@ -97,12 +93,12 @@ def train(config, model_config, launch) -> dict:
                     "tokens": tokens_seen,
                     "tokens_per_s": result.tokens / result.step_time_s,
                     "step_time_s": result.step_time_s,
-                    "idle_fraction_per_rank": [round(v, 4) for v in idle.tolist()],
+                    "idle_fraction_per_rank": result.idle_fraction_per_rank,
                     "schedule": engine.spec.name,
                 }
                 progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                if writer:
-                    writer.write(record)
+                writer.write(record)
+        engine.finish()
         progress.close()
         if writer:
             writer.close()

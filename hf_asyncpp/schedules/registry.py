@@ -13,7 +13,12 @@ from functools import partial
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
-from .validate import ScheduleError, check_schedule
+from .async_order import AsyncOrder, check_versions
+from .pipedream_2bw import PIPEDREAM_2BW
+from .validate import ScheduleError, check_schedule, lower_in_order
+
+# Asynchronous orders are checked over this many consecutive steps: the first, a middle and the last.
+VALIDATION_STEPS = 3
 
 __all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule_spec", "register_schedule"]
 
@@ -22,10 +27,14 @@ __all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule_spec", "register_schedule"
 class ScheduleSpec:
     name: str
     description: str
-    make_actions: Callable[[int, int], ComputeActions]  # (pp_size, n_microbatches) → per-rank lists
+    make_actions: Callable[[int, int], ComputeActions] | None  # (pp_size, n_microbatches) → per-rank lists
     stages_per_rank: int = 1
     placement: str = "loop"  # "loop": stage s on rank s % p; "v": rank r holds r and 2p − 1 − r
-    synchronous: bool = True
+    order: AsyncOrder | None = None  # asynchronous schedules: the continuous order and weight versions
+
+    @property
+    def synchronous(self) -> bool:
+        return self.order is None
 
     def n_stages(self, pp_size: int) -> int:
         return pp_size * self.stages_per_rank
@@ -36,9 +45,17 @@ class ScheduleSpec:
         return [rank + k * pp_size for k in range(self.stages_per_rank)]
 
     def actions(self, pp_size: int, n_microbatches: int) -> ComputeActions:
-        """The compute lists, checked in one process; raises ScheduleError or ValueError."""
-        actions = self.make_actions(pp_size, n_microbatches)
-        check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches)
+        """The compute lists, checked in one process; raises ScheduleError or ValueError.
+
+        For an asynchronous schedule: VALIDATION_STEPS steps of its continuous order (global
+        microbatch ids), checked with the lowering its runtime uses, and its weight versions."""
+        if self.order is None:
+            actions = self.make_actions(pp_size, n_microbatches)
+            check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches)
+            return actions
+        actions = self.order.stream(pp_size, n_microbatches, VALIDATION_STEPS)
+        check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches * VALIDATION_STEPS, lower=lower_in_order)
+        check_versions(self.order, pp_size, n_microbatches, VALIDATION_STEPS)
         return actions
 
     def check_microbatches(self, pp_size: int, n_microbatches: int) -> None:
@@ -82,6 +99,14 @@ register_schedule(
         "Interleaved 1F1B: two stages per rank (loop placement), depth-first; flush each step",
         partial(torch_multi_stage_actions, ScheduleInterleaved1F1B),
         stages_per_rank=2,
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        "pipedream-2bw",
+        "PipeDream-2BW: 1F1B without flushes, two weight versions, every stage one step stale",
+        None,
+        order=PIPEDREAM_2BW,
     )
 )
 register_schedule(

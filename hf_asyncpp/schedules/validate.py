@@ -33,7 +33,7 @@ from torch.distributed.pipelining.schedules import (
 
 from .actions import ComputeActions
 
-__all__ = ["ScheduleError", "check_schedule", "lower_with_comms"]
+__all__ = ["ScheduleError", "check_schedule", "lower_in_order", "lower_with_comms"]
 
 _BACKWARDS = (FULL_BACKWARD, BACKWARD_INPUT)
 
@@ -45,6 +45,29 @@ class ScheduleError(AssertionError):
 def lower_with_comms(actions: ComputeActions, stage_to_rank: Callable[[int], int], n_stages: int):
     compute_only = {r: [a for a in ops if a is not None] for r, ops in actions.items()}
     return _add_send_recv(compute_only, stage_to_rank=stage_to_rank, num_stages=n_stages)
+
+
+def lower_in_order(ops: list[_Action], stage_to_rank: Callable[[int], int], n_stages: int) -> list[_Action]:
+    """One rank's compute actions with a receive just before the compute that needs it and a send
+    just after the compute that produces it (the lowering the asynchronous runtime runs)."""
+    lowered = []
+    for a in ops:
+        s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
+        rank = stage_to_rank(s)
+        if kind == FORWARD:
+            if s > 0 and stage_to_rank(s - 1) != rank:
+                lowered.append(_Action(s, RECV_F, mb))
+            lowered.append(a)
+            if s < n_stages - 1 and stage_to_rank(s + 1) != rank:
+                lowered.append(_Action(s, SEND_F, mb))
+        else:
+            if s < n_stages - 1 and stage_to_rank(s + 1) != rank:
+                lowered.append(_Action(s, RECV_B, mb))
+            lowered.append(a)
+            if s > 0 and stage_to_rank(s - 1) != rank:
+                lowered.append(_Action(s, SEND_B, mb))
+    return lowered
+
 
 
 def _fail(message: str, lowered, rank: int, step: int):
@@ -71,15 +94,22 @@ def _check_indices_and_repeats(actions: ComputeActions, n_stages: int, n_microba
                 seen.add(key)
 
 
-def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_microbatches: int) -> dict:
-    """Validate and simulate; returns the lowered per-rank lists (compute + comms)."""
+def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_microbatches: int,
+                   lower: Callable | None = None) -> dict:
+    """Validate and simulate; returns the lowered per-rank lists (compute + comms).
+
+    `lower(ops, stage_to_rank, n_stages)` lowers one rank's list; default: torch's pass over all ranks."""
     _check_indices_and_repeats(actions, n_stages, n_microbatches)
     try:
         stage_to_rank = _validate_schedule(actions, pp_size, n_stages, n_microbatches)
     except AssertionError as err:
         raise ScheduleError(str(err)) from None
     try:
-        lowered = lower_with_comms(actions, stage_to_rank.__getitem__, n_stages)
+        if lower is None:
+            lowered = lower_with_comms(actions, stage_to_rank.__getitem__, n_stages)
+        else:
+            lowered = {r: lower([a for a in ops if a is not None], stage_to_rank.__getitem__, n_stages)
+                       for r, ops in actions.items()}
     except AssertionError as err:  # torch's lowering gives up on orders that would hang
         raise ScheduleError(f"{err}: an order that would hang\n\n{_format_pipeline_order(actions)}") from None
 
