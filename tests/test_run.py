@@ -121,3 +121,53 @@ def test_accelerate_cpu_mode_that_would_run_undistributed_is_refused(tmp_path):
     assert proc.returncode != 0
     assert "asked for 2 processes but started one" in proc.stderr
     assert not out.exists()
+
+
+def _reference_2bw(config, rows):
+    """PipeDream-2BW's rule written out with plain transformers + torch.optim: the gradient of
+    minibatch k is taken at x_{max(k−1, 0)} and applied to x_k (DESIGN: w_{k+1} = w_k − U(g_{k−1}(w_{k−1})),
+    with w_k = x_{k−1}); after the last step nothing is pending."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    torch.manual_seed(7)
+    current = AutoModelForCausalLM.from_config(config).train()
+    stale = copy.deepcopy(current)
+    opt = torch.optim.SGD(current.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+    sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=STEPS)
+    previous = copy.deepcopy(current.state_dict())  # x_{k−1}
+    losses = []
+    for k in range(STEPS):
+        stale.load_state_dict(previous)
+        stale.zero_grad()
+        lm = 0.0
+        for mb in rows[k * MBS * M:(k + 1) * MBS * M].chunk(M):
+            out = stale(input_ids=mb, labels=mb)
+            (out.loss / M).backward()
+            lm += (out.loss - config.router_aux_loss_coef * out.aux_loss).item() / M
+        previous = copy.deepcopy(current.state_dict())
+        for p, q in zip(current.parameters(), stale.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()
+        sched.step()
+        losses.append(lm)
+    return losses, current
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("launch", ["torchrun pp 2", "python (emulator)"])
+def test_pipedream_2bw_run_follows_the_one_step_delayed_recursion(tmp_path, launch):
+    config, rows = _setup(tmp_path)
+    out = tmp_path / "run"
+    args = [*TRAIN, *_overrides(tmp_path, out), "--schedule", "pipedream-2bw", "--max_grad_norm", "0"]
+    if launch.startswith("torchrun"):
+        cmd = ["torchrun", "--nproc_per_node", "2", *args, "--pp_size", "2"]
+    else:
+        cmd = [sys.executable, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses, model = _reference_2bw(config, rows)
+    sync_losses, _ = _reference(config, rows)
+    assert abs(losses[2] - sync_losses[2]) > 1e-4  # the delay really changes the trajectory
+    _check_run(out, losses, model, n_ranks=2 if launch.startswith("torchrun") else 1)
