@@ -69,6 +69,12 @@ class StepResult:
     def idle_fraction_per_rank(self) -> list[float]:
         return self.reduced.value("idle_fraction_per_rank")
 
+    @property
+    def weight_version_age_per_stage(self) -> list[int]:
+        """Per stage: updates between the weights this step's gradient was taken at and the weights
+        it was applied to (0 synchronous; 1 for PipeDream-2BW after its first step)."""
+        return self.reduced.value("weight_version_age_per_stage")
+
 
 class PipelineLoss:
     """Loss of the last stage's output for one microbatch: HF's causal-LM loss + coef × aux loss.
@@ -161,11 +167,14 @@ class PipelineEngine:
         target = rows if self.holds_last_stage else None
         self.schedule.step(*args, target=target)
 
-    def _run_async_segment(self, rows: torch.Tensor, next_rows: torch.Tensor | None) -> None:
+    def _run_async_segment(self, rows: torch.Tensor, next_rows: torch.Tensor | None) -> list[int]:
+        """Run this step's segment; returns, per local stage, the version its gradient was taken at."""
         device = self.layout.device
         self.schedule.run_step(rows.to(device), None if next_rows is None else next_rows.to(device))
-        for versioned, stage in zip(self.versioned, self.stage_ids):
+        return [
             versioned.move_gradients_to_master(self.schedule.gradient_buffer(stage), 1.0 / self.config.n_microbatches)
+            for versioned, stage in zip(self.versioned, self.stage_ids)
+        ]
 
     def _average_gradients_over_dp(self) -> None:
         if self.layout.dp_size == 1:
@@ -205,13 +214,16 @@ class PipelineEngine:
         self.optimizer.zero_grad(set_to_none=True)
         for counter in self._routing_load_counters:
             counter.reset()
+        # Weight-version age: updates between the weights a gradient was taken at and those it updates.
         if self.versioned:
-            self._run_async_segment(rows, next_rows)
+            ages = [self.step_count - v for v in self._run_async_segment(rows, next_rows)]
         elif self.emulator:
             with self.emulator.stale_weights():
                 self.run_microbatches(rows)
+            ages = [max(self.emulator.version_age(p) for p in self.params)]
         else:
             self.run_microbatches(rows)
+            ages = [0] * len(self.stage_ids)
         busy = self.timer.take()
         self._average_gradients_over_dp()
         grad_sq_norm = self._clip_gradients()
@@ -222,7 +234,8 @@ class PipelineEngine:
             self.optimizer.step()
         self.lr_scheduler.step()
         for versioned, stage in zip(self.versioned, self.stage_ids):
-            versioned.publish_master(self.spec.order.buffer_written_after(stage, self.layout.pp_size, self.step_count))
+            written = self.spec.order.buffer_written_after(stage, self.layout.pp_size, self.step_count)
+            versioned.publish_master(written, self.step_count + 1)
         for counter in self._routing_load_counters:
             counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
         self.step_count += 1
@@ -231,9 +244,9 @@ class PipelineEngine:
             self.loss_fn.take(self.config.n_microbatches),
             grad_sq_norm if self.layout.dp_rank == 0 else None,
             max(0.0, 1.0 - busy / step_time),
-            self.layout.rank,
-            self.layout.world_size,
-            self.layout.device,
+            self.layout,
+            dict(zip(self.stage_ids, ages)) if self.layout.dp_rank == 0 else {},
+            len(self.plan),
         )
         self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]
         return StepResult(self.step_count, lr, rows.numel() * self.layout.dp_size, step_time, busy, reduced)
@@ -262,8 +275,8 @@ class PipelineEngine:
         finally:
             for module in self.modules:
                 module.train()
-        reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout.rank,
-                                   self.layout.world_size, self.layout.device)
+        reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout, {},
+                                   len(self.plan))
         logits = output[0] if isinstance(output, tuple) else output
         return reduced.value("loss"), reduced.value("aux_loss"), logits
 

@@ -67,25 +67,29 @@ class MetricsWriter:
 class ReducedStepStats:
     """One step's statistics summed over all ranks by a single asynchronous all-reduce.
 
-    Layout: [LM-loss sum, aux-loss sum, microbatch count, squared gradient norm, idle_0 … idle_{W−1}].
-    The last-stage ranks contribute losses, the dp-rank-0 replica of every stage its squared norm,
-    every rank its idle fraction. `value()` waits for the reduction, which by then has usually long
+    Layout: [LM-loss sum, aux-loss sum, microbatch count, squared gradient norm, idle_0 … idle_{W−1},
+    age_0 … age_{S−1}]. The last-stage ranks contribute losses, the dp-rank-0 replica of every stage its
+    squared norm and its stages' weight-version ages, every rank its idle fraction. `value()` waits for the reduction, which by then has usually long
     finished; nothing else does, so no rank waits for another between steps.
     """
 
-    def __init__(self, loss_records, grad_sq_norm: float | None, idle_fraction: float, rank: int, world_size: int,
-                 device, group=None):
+    def __init__(self, loss_records, grad_sq_norm: float | None, idle_fraction: float, layout,
+                 version_age_by_stage: dict[int, int], n_stages: int):
         import torch
         import torch.distributed as dist
 
-        self._vector = torch.zeros(4 + world_size, dtype=torch.float64, device=device)
+        world_size = layout.world_size
+        self._world_size = world_size
+        self._vector = torch.zeros(4 + world_size + n_stages, dtype=torch.float64, device=layout.device)
         for lm, aux in loss_records:
             self._vector[0] += lm.double().item()
             self._vector[1] += aux.double().item()
             self._vector[2] += 1
         self._vector[3] = grad_sq_norm or 0.0
-        self._vector[4 + rank] = idle_fraction
-        self._work = dist.all_reduce(self._vector, group=group, async_op=True)
+        self._vector[4 + layout.rank] = idle_fraction
+        for stage, age in version_age_by_stage.items():
+            self._vector[4 + world_size + stage] = age
+        self._work = dist.all_reduce(self._vector, async_op=True)
         self._values: dict | None = None
 
     def done(self) -> bool:
@@ -100,6 +104,7 @@ class ReducedStepStats:
                 "loss": v[0] / count,
                 "aux_loss": v[1] / count,
                 "grad_norm": v[3] ** 0.5,
-                "idle_fraction_per_rank": [round(x, 4) for x in v[4:]],
+                "idle_fraction_per_rank": [round(x, 4) for x in v[4:4 + self._world_size]],
+                "weight_version_age_per_stage": [int(x) for x in v[4 + self._world_size:]],
             }
         return self._values[key]

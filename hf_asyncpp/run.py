@@ -94,6 +94,7 @@ def train(config, model_config, launch) -> dict:
                     "tokens_per_s": result.tokens / result.step_time_s,
                     "step_time_s": result.step_time_s,
                     "idle_fraction_per_rank": result.idle_fraction_per_rank,
+                    "weight_version_age_per_stage": result.weight_version_age_per_stage,
                     "schedule": engine.spec.name,
                 }
                 progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")

@@ -67,7 +67,7 @@ def _env():
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def _check_run(out, expected_losses, reference_model, n_ranks):
+def _check_run(out, expected_losses, reference_model, n_ranks, delay=0):
     from transformers import AutoModelForCausalLM
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -75,6 +75,10 @@ def _check_run(out, expected_losses, reference_model, n_ranks):
     for key in ("step", "loss", "aux_loss", "lr", "tokens", "tokens_per_s", "step_time_s", "schedule"):
         assert key in records[0]
     assert len(records[0]["idle_fraction_per_rank"]) == n_ranks
+    # Weight-version age per stage: steps 0 and 1 both run on the initial weights, then `delay`.
+    assert [r["weight_version_age_per_stage"] for r in records] == [
+        [min(k, delay)] * len(records[0]["weight_version_age_per_stage"]) for k in range(STEPS)
+    ]
     assert records[-1]["tokens"] == STEPS * MBS * M * SEQ
     assert [r["loss"] for r in records] == pytest.approx(expected_losses, abs=1e-5)
     assert all(r["aux_loss"] > 0 for r in records)
@@ -170,4 +174,4 @@ def test_pipedream_2bw_run_follows_the_one_step_delayed_recursion(tmp_path, laun
     losses, model = _reference_2bw(config, rows)
     sync_losses, _ = _reference(config, rows)
     assert abs(losses[2] - sync_losses[2]) > 1e-4  # the delay really changes the trajectory
-    _check_run(out, losses, model, n_ranks=2 if launch.startswith("torchrun") else 1)
+    _check_run(out, losses, model, n_ranks=2 if launch.startswith("torchrun") else 1, delay=1)
