@@ -9,7 +9,6 @@ divides gradients by n_microbatches), as in gradient accumulation.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -165,7 +164,7 @@ class PipelineEngine:
         rows = rows.to(self.layout.device)
         args = (rows,) if self.holds_first_stage else ()
         target = rows if self.holds_last_stage else None
-        self.schedule.step(*args, target=target)
+        self.schedule.step(*args, target=target, return_outputs=False)  # logits are not kept
 
     def _run_async_segment(self, rows: torch.Tensor, next_rows: torch.Tensor | None) -> list[int]:
         """Run this step's segment; returns, per local stage, the version its gradient was taken at."""
@@ -191,20 +190,17 @@ class PipelineEngine:
         averaged gradients). Synchronous schedules clip by the global norm over all stages; the
         asynchronous ones by each stage's own norm, since a pipeline-wide norm would make every
         stage wait for the others at every step, which is the bubble they exist to remove."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.layout.device)
-        for p in self.params:
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum()
-        local_sq = sq.item()
-        if self.spec.synchronous:
-            dist.all_reduce(sq, group=self.layout.pp_group)
-        norm = math.sqrt(sq.item())
-        if self.config.max_grad_norm > 0 and norm > self.config.max_grad_norm:
-            scale = self.config.max_grad_norm / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return local_sq
+        grads = [p.grad for p in self.params if p.grad is not None]
+        local_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+        local_sq = local_norm.double() ** 2
+        norm = local_sq.sqrt()
+        if self.spec.synchronous and self.layout.pp_size > 1:
+            total_sq = local_sq.to(self.layout.device).clone()
+            dist.all_reduce(total_sq, group=self.layout.pp_group)
+            norm = total_sq.sqrt()
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm.float(), foreach=True)
+        return local_sq.item()
 
     def train_step(self, rows: torch.Tensor, next_rows: torch.Tensor | None = None) -> StepResult:
         """One optimizer step on minibatch `rows`. Asynchronous schedules on a pipeline also forward

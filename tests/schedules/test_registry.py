@@ -23,6 +23,11 @@ def test_builtin_names_are_registered_and_synchronous():
         assert spec.description
 
 
+def test_asynchronous_schedules_carry_an_order_and_are_not_synchronous():
+    spec = get_schedule_spec("pipedream-2bw")
+    assert spec.synchronous is False and spec.order is not None and spec.make_actions is None
+
+
 def test_unknown_name_raises_value_error_listing_the_names():
     with pytest.raises(ValueError) as info:
         get_schedule_spec("pipedream")
@@ -139,7 +144,7 @@ def test_check_microbatches_turns_schedule_errors_into_one_line_value_errors():
 
 def test_register_schedule_adds_a_name(monkeypatch):
     monkeypatch.setattr(registry_module, "SCHEDULES", dict(SCHEDULES))
-    spec = ScheduleSpec("gpipe-copy", "test only", gpipe_actions, synchronous=False)
+    spec = ScheduleSpec("gpipe-copy", "test only", gpipe_actions)
     assert register_schedule(spec) is spec
     assert registry_module.get_schedule_spec("gpipe-copy") is spec
     assert "gpipe-copy" not in SCHEDULES  # the real registry is untouched by this test

@@ -1,0 +1,202 @@
+"""Step time, tokens/s, idle (bubble) fraction and peak memory of the pipeline schedules, side by side.
+
+Setup: the "tiny-moe" preset (random init), pp = 2 on 2 gloo ranks spawned here, seq_len 128,
+micro_batch_size 8, one torch thread per rank, AdamW, synthetic token rows (same rows for every arm).
+Arms: schedule × m (n_microbatches). Each arm runs in fresh processes (so peak RSS is its own) and
+takes --warmup + --steps consecutive optimizer steps without any barrier between them (a barrier
+per step would re-create the bubble an asynchronous schedule removes), plus, for asynchronous
+schedules, the final draining step, which is not measured.
+
+Measured per arm and rank:
+  - step time and tokens/s (step time: the slower rank's mean);
+  - idle fraction: 1 − (time inside stage compute and loss) / step time;
+  - the bubble-free limit: the same rank's forward + backward of the same m microbatches run
+    directly on its stage module, outside the pipeline (no communication, no waiting) — the step
+    time no schedule can beat; the slowest rank's limit is the pipeline's ceiling;
+  - peak resident memory of the rank's process (CPU; includes the ~0.5 GB of libraries).
+Theoretical idle (p − 1)/(m + p − 1) is printed for reference: stages are unequal (the last carries
+lm_head and the loss), so the measured limit, not the formula, is the ceiling.
+
+    python benchmarks/pipeline_schedules.py [--schedules gpipe,1f1b,pipedream-2bw]
+        [--microbatches 2,4,8] [--steps 8] [--warmup 3] [--out benchmarks/results/pipeline_schedules.json]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before any HF import, here and in spawned ranks
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import argparse
+import json
+import platform
+import resource
+import socket
+import statistics
+import time
+from pathlib import Path
+
+PRESET, SEQ_LEN, MBS, PP = "tiny-moe", 128, 8, 2
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pipeline_schedules.json"
+
+
+def _bubble_free_ms(engine, rows, repeats: int) -> float:
+    """Forward + backward of the step's microbatches on this rank's stage, no pipeline around it
+    (mean over `repeats`, the same statistic as the step time)."""
+    import torch
+
+    module = engine.modules[0]
+    m = engine.config.n_microbatches
+    hidden = module.config.hidden_size
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for mb in rows.chunk(m):
+            if module.is_first:
+                args = (mb,)
+            else:
+                args = (torch.randn(mb.shape[0], SEQ_LEN, hidden, requires_grad=True),)
+                if module.carries_router_stats:
+                    args += (torch.zeros(2 * module.num_experts + 1, requires_grad=True),)
+            out = module(*args)
+            outputs = out if isinstance(out, tuple) else (out,)
+            loss = engine.loss_fn(out, mb) if module.is_last else sum(o.float().sum() for o in outputs)
+            loss.backward()
+        times.append(time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+    engine.loss_fn.records.clear()
+    return 1e3 * statistics.mean(times)
+
+
+def _rank_main(rank: int, args, port: int, schedule: str, m: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(PP), LOCAL_RANK=str(rank))
+    import torch
+
+    torch.set_num_threads(1)
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.models.presets import build_config
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), PP)
+    try:
+        model_config = build_config(PRESET)
+        synchronous = schedule in ("gpipe", "1f1b")
+        total = args.warmup + args.steps + (0 if synchronous else 1)  # + the draining step
+        config = TrainConfig(model_config=PRESET, pp_size=PP, schedule=schedule, n_microbatches=m,
+                             micro_batch_size=MBS, seq_len=SEQ_LEN, optimizer="adamw", learning_rate=1e-3,
+                             lr_scheduler_type="constant", max_steps=total, seed=0)
+        engine = PipelineEngine(config, model_config, layout)
+        gen = torch.Generator().manual_seed(1234)
+        rows = [torch.randint(0, model_config.vocab_size, (m * MBS, SEQ_LEN), generator=gen) for _ in range(total)]
+        samples = []
+        for step in range(total):
+            result = engine.train_step(rows[step], rows[step + 1] if step + 1 < total else None)
+            if args.warmup <= step < args.warmup + args.steps:
+                samples.append((result.busy_s, result.step_time_s, result.tokens))
+        engine.finish()
+        limit_ms = _bubble_free_ms(engine, rows[0], args.steps)
+        queue.put((rank, dict(samples=samples, bubble_free_ms=limit_ms,
+                              peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+    finally:
+        shutdown_parallel()
+
+
+def _run_arm(args, schedule: str, m: int) -> dict:
+    import torch.multiprocessing as mp
+
+    from hf_asyncpp.metrics import theoretical_bubble
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, args, port, schedule, m, queue)) for r in range(PP)]
+    for p in procs:
+        p.start()
+    per_rank = dict(queue.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join()
+    ranks = [per_rank[r] for r in range(PP)]
+    step_s = [max(ranks[r]["samples"][k][1] for r in range(PP)) for k in range(args.steps)]
+    tokens = ranks[0]["samples"][0][2]
+    limit_ms = max(r["bubble_free_ms"] for r in ranks)
+    return dict(
+        schedule=schedule, n_microbatches=m, tokens_per_step=tokens,
+        step_ms=1e3 * statistics.mean(step_s),
+        step_ms_stdev=1e3 * statistics.stdev(step_s) if len(step_s) > 1 else 0.0,
+        tokens_per_s=tokens * len(step_s) / sum(step_s),
+        idle_fraction_per_rank=[statistics.mean(max(0.0, 1 - b / t) for b, t, _ in r["samples"]) for r in ranks],
+        bubble_free_ms_per_rank=[r["bubble_free_ms"] for r in ranks],
+        bubble_free_ms=limit_ms,
+        step_over_limit=1e3 * statistics.mean(step_s) / limit_ms,
+        peak_rss_mb_per_rank=[r["peak_rss_mb"] for r in ranks],
+        theoretical_idle=theoretical_bubble(PP, m) if schedule in ("gpipe", "1f1b") else 0.0,
+        raw_step_s=step_s,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _print_table(results: list[dict]) -> None:
+    base = {r["n_microbatches"]: r["step_ms"] for r in results if r["schedule"] == "1f1b"}
+    print("| schedule | m | step ms | tokens/s | vs 1f1b | bubble-free limit ms | step / limit | idle r0 | idle r1 "
+          "| theor. idle | peak RSS MB r0 / r1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        speedup = base.get(r["n_microbatches"], float("nan")) / r["step_ms"]
+        idle0, idle1 = r["idle_fraction_per_rank"]
+        rss0, rss1 = r["peak_rss_mb_per_rank"]
+        print(f"| {r['schedule']} | {r['n_microbatches']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
+              f"{speedup:.2f}× | {r['bubble_free_ms']:.0f} | {r['step_over_limit']:.3f} | {idle0:.3f} | {idle1:.3f} | "
+              f"{r['theoretical_idle']:.3f} | {rss0:.0f} / {rss1:.0f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedules", default="gpipe,1f1b,pipedream-2bw")
+    parser.add_argument("--microbatches", default="2,4,8")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per arm")
+    parser.add_argument("--warmup", type=int, default=3, help="discarded steps per arm (the first: shape inference)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.warmup < 1:
+        parser.error("--steps must be at least 2 and --warmup at least 1")
+    from hf_asyncpp.schedules import get_schedule_spec
+
+    arms = [(s.strip(), int(m)) for s in args.schedules.split(",") for m in args.microbatches.split(",")]
+    for schedule, m in arms:
+        try:
+            spec = get_schedule_spec(schedule)
+            spec.check_microbatches(PP, m)
+        except ValueError as err:
+            parser.error(f"{schedule}, m={m}: {err}")
+        if spec.stages_per_rank != 1:
+            parser.error(f"{schedule}: only one-stage-per-rank schedules are compared here")
+    start = time.perf_counter()
+    results = [_run_arm(args, schedule, m) for schedule, m in arms]
+    import torch
+    import transformers
+
+    meta = dict(preset=PRESET, seq_len=SEQ_LEN, micro_batch_size=MBS, pp_size=PP, dp_size=1, backend="gloo",
+                threads_per_rank=1, optimizer="adamw", warmup_steps=args.warmup, measured_steps=args.steps,
+                torch=torch.__version__, transformers=transformers.__version__, cpu_count=os.cpu_count(),
+                machine=platform.machine(), python=platform.python_version(),
+                date=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
+    print(f"\n{PRESET}, pp={PP}, seq_len={SEQ_LEN}, micro_batch_size={MBS}, 1 thread/rank, "
+          f"mean of {args.steps} steps after {args.warmup} warm-up steps\n")
+    _print_table(results)
+    print(f"\nwrote {out}; total {time.perf_counter() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
