@@ -184,6 +184,11 @@ def validate_config(config: TrainConfig, world_size: int):
     except (FileNotFoundError, UnsupportedModelError, ValueError, OSError) as err:
         raise ConfigError(str(err)) from None
 
+    _require(
+        not (spec.order is not None and spec.order.per_microbatch_updates and config.pp_size == 1),
+        f"schedule '{spec.name}' updates each stage after every microbatch with a staleness that depends on "
+        "the pipeline depth; it needs pp_size >= 2 (the one-device emulator covers pipedream-2bw)",
+    )
     n_stages = spec.n_stages(config.pp_size)
     n_layers = model_config.num_hidden_layers
     _require(

@@ -9,6 +9,7 @@ divides gradients by n_microbatches), as in gradient accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -122,10 +123,13 @@ class PipelineEngine:
         model = model if model is not None else build_full_model(config, model_config)
         self.modules = [m.to(layout.device) for m in build_stage_modules(model, self.plan, self.stage_ids)]
         del model  # parts of other stages are released with it
-        order = self.spec.order
+        order, m = self.spec.order, config.n_microbatches
         # An asynchronous schedule on a real pipeline binds microbatches to weight versions; on one
         # rank (pp_size 1) the same update rule is emulated by the optimizer wrapper instead.
-        self.versioned = [VersionedStage(m, order.n_buffers) for m in self.modules] if order and n_stages > 1 else []
+        self.versioned = (
+            [VersionedStage(mod, order.n_buffers(s, layout.pp_size, m)) for mod, s in zip(self.modules, self.stage_ids)]
+            if order and n_stages > 1 else []
+        )
         submods = self.versioned or self.modules
         self.stages = [
             PipelineStage(submod, s, n_stages, layout.device, group=layout.pp_group)
@@ -137,24 +141,31 @@ class PipelineEngine:
         self.timer = ComputeTimer(self.stages)
         timed_loss = self.timer.timed(self.loss_fn)
         if self.versioned:
-            self.schedule = AsyncPipelineSchedule(self.stages, config.n_microbatches, timed_loss, order, config.max_steps)
+            self.schedule = AsyncPipelineSchedule(
+                self.stages, m, timed_loss, order, config.max_steps, update_stage=self._update_after_microbatch
+            )
         else:
             sync_spec = get_schedule_spec("gpipe") if order else self.spec
-            self.schedule = build_schedule(sync_spec, self.stages, config.n_microbatches, timed_loss)
+            self.schedule = build_schedule(sync_spec, self.stages, m, timed_loss)
         self.params = [p for module in self.modules for p in module.parameters()]
         self.optimizer = build_optimizer(
             config.optimizer, self.params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
         )
         self.emulator = (
-            StalenessEmulator(self.optimizer, {p: order.delay(0, 1) for p in self.params})
+            StalenessEmulator(self.optimizer, {p: order.delay(0, 1, m) for p in self.params})
             if order and not self.versioned else None
         )
+        # The LR schedule advances once per update: m times a step when stages update per microbatch.
+        updates_per_step = m if order and order.per_microbatch_updates else 1
         self.lr_scheduler = get_scheduler(
-            config.lr_scheduler_type, self.optimizer, num_warmup_steps=config.warmup_steps,
-            num_training_steps=config.max_steps,
+            config.lr_scheduler_type, self.optimizer, num_warmup_steps=config.warmup_steps * updates_per_step,
+            num_training_steps=config.max_steps * updates_per_step,
         )
         self._routing_load_counters = [m.routing_load for m in self.modules if m.routing_load is not None]
         self._unfinished: list[ReducedStepStats] = []
+        # This step's updates: squared gradient norm of each, and per local stage the largest version age.
+        self._step_sq_norms: list[float] = []
+        self._step_ages: dict[int, int] = {}
         self.step_count = 0
 
     # --- the step -------------------------------------------------------------------------------
@@ -166,14 +177,26 @@ class PipelineEngine:
         target = rows if self.holds_last_stage else None
         self.schedule.step(*args, target=target, return_outputs=False)  # logits are not kept
 
-    def _run_async_segment(self, rows: torch.Tensor, next_rows: torch.Tensor | None) -> list[int]:
-        """Run this step's segment; returns, per local stage, the version its gradient was taken at."""
-        device = self.layout.device
-        self.schedule.run_step(rows.to(device), None if next_rows is None else next_rows.to(device))
-        return [
-            versioned.move_gradients_to_master(self.schedule.gradient_buffer(stage), 1.0 / self.config.n_microbatches)
-            for versioned, stage in zip(self.versioned, self.stage_ids)
-        ]
+    def _apply_update(self) -> float:
+        """Average gradients over dp, clip, step the optimizer (through the emulator when emulating)
+        and the LR schedule. Returns this rank's squared gradient norm before clipping."""
+        self._average_gradients_over_dp()
+        grad_sq_norm = self._clip_gradients()
+        (self.emulator or self.optimizer).step()
+        self.lr_scheduler.step()
+        return grad_sq_norm
+
+    def _update_versioned(self, index: int, version: int, grad_scale: float) -> None:
+        """One update of local stage `index` from the gradient taken at weight `version`."""
+        versioned, stage = self.versioned[index], self.stage_ids[index]
+        order, pp_size, m = self.spec.order, self.layout.pp_size, self.config.n_microbatches
+        versioned.move_gradients_to_master(order.buffer(stage, pp_size, version, m), grad_scale)
+        self._step_ages[stage] = max(self._step_ages.get(stage, 0), versioned.master_version - version)
+        self._step_sq_norms.append(self._apply_update())
+        versioned.publish_master(order.buffer(stage, pp_size, versioned.master_version + 1, m))
+
+    def _update_after_microbatch(self, stage: int, version: int) -> None:
+        self._update_versioned(self.stage_ids.index(stage), version, 1.0)
 
     def _average_gradients_over_dp(self) -> None:
         if self.layout.dp_size == 1:
@@ -210,38 +233,35 @@ class PipelineEngine:
         self.optimizer.zero_grad(set_to_none=True)
         for counter in self._routing_load_counters:
             counter.reset()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._step_sq_norms, self._step_ages = [], {}
         # Weight-version age: updates between the weights a gradient was taken at and those it updates.
         if self.versioned:
-            ages = [self.step_count - v for v in self._run_async_segment(rows, next_rows)]
-        elif self.emulator:
-            with self.emulator.stale_weights():
+            device = self.layout.device
+            self.schedule.run_step(rows.to(device), None if next_rows is None else next_rows.to(device))
+            busy = self.timer.take()
+            if not self.spec.order.per_microbatch_updates:  # else the stages updated after each backward
+                for index, stage in enumerate(self.stage_ids):
+                    self._update_versioned(index, self.schedule.gradient_version(stage), 1.0 / self.config.n_microbatches)
+        else:
+            age = max((self.emulator.version_age(p) for p in self.params), default=0) if self.emulator else 0
+            with self.emulator.stale_weights() if self.emulator else contextlib.nullcontext():
                 self.run_microbatches(rows)
-            ages = [max(self.emulator.version_age(p) for p in self.params)]
-        else:
-            self.run_microbatches(rows)
-            ages = [0] * len(self.stage_ids)
-        busy = self.timer.take()
-        self._average_gradients_over_dp()
-        grad_sq_norm = self._clip_gradients()
-        lr = self.optimizer.param_groups[0]["lr"]
-        if self.emulator:
-            self.emulator.step()
-        else:
-            self.optimizer.step()
-        self.lr_scheduler.step()
-        for versioned, stage in zip(self.versioned, self.stage_ids):
-            written = self.spec.order.buffer_written_after(stage, self.layout.pp_size, self.step_count)
-            versioned.publish_master(written, self.step_count + 1)
+            busy = self.timer.take()
+            self._step_sq_norms = [self._apply_update()]
+            self._step_ages = dict.fromkeys(self.stage_ids, age)
         for counter in self._routing_load_counters:
             counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
         self.step_count += 1
         step_time = time.perf_counter() - start
+        # With per-microbatch updates a step holds m of them: report their mean squared norm.
+        grad_sq_norm = sum(self._step_sq_norms) / len(self._step_sq_norms)
         reduced = ReducedStepStats(
             self.loss_fn.take(self.config.n_microbatches),
             grad_sq_norm if self.layout.dp_rank == 0 else None,
             max(0.0, 1.0 - busy / step_time),
             self.layout,
-            dict(zip(self.stage_ids, ages)) if self.layout.dp_rank == 0 else {},
+            self._step_ages if self.layout.dp_rank == 0 else {},
             len(self.plan),
         )
         self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]

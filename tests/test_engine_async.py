@@ -1,9 +1,10 @@
 """Asynchronous pipelines equal the single-process staleness emulator.
 
-PipeDream-2BW on 2 and 4 gloo ranks (pp = 2 and pp = 4, and pp = 2 × dp = 2), two MoE families, SGD
-with momentum and AdamW, 6 optimizer steps: the final weights equal those of the emulator (the HF
-model on one process with `StalenessEmulator`, delay 1) within 1e-5, and the last stage's per-step
-losses match. fp32; the pipeline and the emulator run the same kernels on the same microbatches, so
+PipeDream-2BW and PipeDream on 2 and 4 gloo ranks (pp = 2 and pp = 4, and pp = 2 × dp = 2), two MoE
+families, SGD with momentum and AdamW, 6 optimizer steps: the final weights equal those of the
+emulator — the HF model on one process with `StalenessEmulator`: delay 1 per minibatch for 2BW;
+an update per microbatch with stage r's parameters p − 1 − r updates stale for PipeDream — within
+1e-5, and the last stage's per-step losses match. fp32; the pipeline and the emulator run the same kernels on the same microbatches, so
 differences are rounding from differently ordered sums (~1e-7); 1e-5 leaves room for 6 steps of
 AdamW, whose normalisation can amplify a rounding difference in a tiny second moment.
 """
@@ -27,32 +28,52 @@ def _rows(vocab_size, dp_size):
     return [torch.randint(0, vocab_size, (dp_size * MBS * M, SEQ), generator=gen) for _ in range(STEPS)]
 
 
-def emulate(model, config, rows_per_step, dp_size, aux_coef):
-    """One process: HF model, torch optimizer, delay-1 emulator; returns per-step LM losses."""
-    import torch
+def stage_delays(model, model_config, pp_size, schedule):
+    """{parameter: delay} for the emulator: each parameter gets its pipeline stage's delay."""
+    from hf_asyncpp.models import plan_stages
+    from hf_asyncpp.schedules import get_schedule_spec
 
+    plan, order = plan_stages(model_config, pp_size), get_schedule_spec(schedule).order
+    delays = {}
+    for name, param in model.named_parameters():
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            stage = next(s for s, layers in enumerate(plan) if layer in layers)
+        else:
+            stage = 0 if name.startswith("model.embed_tokens") else pp_size - 1
+        delays[param] = order.delay(stage, pp_size, M)
+    return delays
+
+
+def emulate(model, config, rows_per_step, dp_size, aux_coef, delays, per_microbatch):
+    """One process: HF model, torch optimizer, the emulator; returns per-step LM losses.
+
+    Per-minibatch updates accumulate the m microbatches (loss / m); per-microbatch updates take one
+    step per microbatch. dp replicas average their gradients in both."""
     from hf_asyncpp.optim import build_optimizer
     from hf_asyncpp.optim.delay import StalenessEmulator
 
     opt = build_optimizer(config.optimizer, model.parameters(), config.learning_rate, config.momentum,
                           config.beta2, config.weight_decay)
-    emulator = StalenessEmulator(opt, {p: 1 for p in model.parameters()})
+    emulator = StalenessEmulator(opt, delays)
     losses = []
     for rows in rows_per_step:
-        emulator.zero_grad()
+        replicas = [replica.chunk(M) for replica in rows.chunk(dp_size)]
+        units = [[r[i] for r in replicas] for i in range(M)] if per_microbatch else [[mb for r in replicas for mb in r]]
         lm = 0.0
-        with emulator.stale_weights():
-            for replica in rows.chunk(dp_size):  # dp replicas average their accumulated gradients
-                for mb in replica.chunk(M):
+        for unit in units:
+            emulator.zero_grad()
+            with emulator.stale_weights():
+                for mb in unit:
                     out = model(input_ids=mb, labels=mb)
-                    (out.loss / (M * dp_size)).backward()
+                    (out.loss / len(unit)).backward()
                     lm += (out.loss - aux_coef * out.aux_loss).item() / (M * dp_size)
-        emulator.step()
+            emulator.step()
         losses.append(lm)
     return losses
 
 
-def _worker(rank, world_size, pp_size, presets, optimizers):
+def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-2bw"):
     import copy
 
     from hf_asyncpp.config import TrainConfig
@@ -66,7 +87,7 @@ def _worker(rank, world_size, pp_size, presets, optimizers):
         for preset in presets:
             model_config = small_model_config(preset)
             for optimizer in optimizers:
-                config = TrainConfig(model_config=preset, pp_size=pp_size, schedule="pipedream-2bw",
+                config = TrainConfig(model_config=preset, pp_size=pp_size, schedule=schedule,
                                      optimizer=optimizer, max_grad_norm=0.0, lr_scheduler_type="constant",
                                      seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS,
                                      **OPTIMIZERS[optimizer])
@@ -78,7 +99,9 @@ def _worker(rank, world_size, pp_size, presets, optimizers):
                 results = [engine.train_step(mine[k], mine[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
                 losses = [r.loss for r in results]
                 engine.finish()
-                expected = emulate(reference, config, rows, layout.dp_size, model_config.router_aux_loss_coef)
+                delays = stage_delays(reference, model_config, pp_size, schedule)
+                expected = emulate(reference, config, rows, layout.dp_size, model_config.router_aux_loss_coef, delays,
+                                   per_microbatch=engine.spec.order.per_microbatch_updates)
                 state = engine.stage_state_dict()
                 ref_state = dict(reference.named_parameters())
                 compared = [n for n in state if n in ref_state]
@@ -88,19 +111,22 @@ def _worker(rank, world_size, pp_size, presets, optimizers):
                     moved=max((state[n] - init[n].detach()).abs().max().item() for n in compared),
                     param_diff=max((state[n] - ref_state[n].detach()).abs().max().item() for n in compared),
                     loss_diff=max(abs(a - b) for a, b in zip(losses, expected)),
-                    losses=losses, expected=expected,
+                    losses=losses, expected=expected, ages=[r.weight_version_age_per_stage for r in results],
                 ))
     finally:
         shutdown_parallel()
     return report
 
 
-def _check(reports):
+def _check(reports, schedule="pipedream-2bw"):
     for i, row in enumerate(reports[0]):
         for report in reports:
             assert report[i]["param_diff"] < TOL, report[i]
             assert report[i]["loss_diff"] < TOL, report[i]
             assert report[i]["moved"] > 1e-3, report[i]  # the updates really happened
+        pp_size = len(row["ages"][0])
+        final_ages = [1] * pp_size if schedule == "pipedream-2bw" else [min(pp_size - 1 - s, M) for s in range(pp_size)]
+        assert row["ages"][-1] == final_ages, row["ages"]
 
 
 @pytest.mark.multirank
@@ -112,3 +138,15 @@ def test_pipedream_2bw_equals_the_delay_one_emulator(pp_size):
 @pytest.mark.multirank
 def test_pipedream_2bw_with_data_parallel_replicas_equals_the_emulator():
     _check(run_ranks(4, _worker, 2, ["tiny-olmoe"], ["adamw"]))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("pp_size", [2, 4])
+def test_pipedream_equals_the_per_stage_delay_emulator(pp_size):
+    _check(run_ranks(pp_size, _worker, pp_size, ["tiny-qwen3-moe", "tiny-gpt-oss"], ["sgd", "adamw"], "pipedream"),
+           "pipedream")
+
+
+@pytest.mark.multirank
+def test_pipedream_with_data_parallel_replicas_equals_the_emulator():
+    _check(run_ranks(4, _worker, 2, ["tiny-mixtral"], ["adamw"], "pipedream"), "pipedream")

@@ -33,7 +33,9 @@ __all__ = ["AsyncPipelineSchedule"]
 
 class AsyncPipelineSchedule(_PipelineScheduleRuntime):
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, order: AsyncOrder,
-                 n_steps: int):
+                 n_steps: int, update_stage: Callable[[int, int], None] | None = None):
+        """`update_stage(stage_index, version)` is called after every backward when the order updates
+        per microbatch (version: the one that microbatch ran on)."""
         self.n_slots = 2 * n_microbatches
         super().__init__(stages=stages, n_microbatches=self.n_slots, loss_fn=loss_fn, scale_grads=False)
         self.order, self.m, self.n_steps = order, n_microbatches, n_steps
@@ -42,22 +44,36 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
         for stage in self._stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
             stage.forward_one_chunk = self._bound_forward(stage, stage.forward_one_chunk)
+            if order.per_microbatch_updates:
+                stage.backward_one_chunk = self._updating_backward(stage, stage.backward_one_chunk)
+        self.update_stage = update_stage
         self._slot_owner: dict[tuple[int, int], int] = {}  # (stage, slot) → global microbatch
         self._losses: dict[int, torch.Tensor] = {}
         self.step_index = 0
 
     # --- torch hooks --------------------------------------------------------------------------
 
+    def _version_of(self, stage: PipelineStage, chunk_id: int) -> int:
+        j = self._slot_owner[(stage.stage_index, chunk_id)]
+        return self.order.version(stage.stage_index, self.pp_size, j, self.m)
+
     def _bound_forward(self, stage: PipelineStage, forward):
         versioned: VersionedStage = stage.submod
 
         def forward_on_version(chunk_id, *args, **kwargs):
-            j = self._slot_owner[(stage.stage_index, chunk_id)]
-            version = self.order.version(stage.stage_index, self.pp_size, j, self.m)
-            versioned.active = version % self.order.n_buffers
+            version = self._version_of(stage, chunk_id)
+            versioned.active = self.order.buffer(stage.stage_index, self.pp_size, version, self.m)
             return forward(chunk_id, *args, **kwargs)
 
         return forward_on_version
+
+    def _updating_backward(self, stage: PipelineStage, backward):
+        def backward_then_update(chunk_id, *args, **kwargs):
+            result = backward(chunk_id, *args, **kwargs)
+            self.update_stage(stage.stage_index, self._version_of(stage, chunk_id))
+            return result
+
+        return backward_then_update
 
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
         if stage.is_last and self._loss_fn is not None:
@@ -109,7 +125,6 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
         self._step_microbatches(arg_mbs, None, target_mbs, return_outputs=False)
         self.step_index += 1
 
-    def gradient_buffer(self, stage_index: int) -> int:
-        """The version buffer holding the gradient of the step just run on `stage_index`."""
-        j = (self.step_index - 1) * self.m
-        return self.order.version(stage_index, self.pp_size, j, self.m) % self.order.n_buffers
+    def gradient_version(self, stage_index: int) -> int:
+        """The version the step just run took its gradient at, on `stage_index` (per-step updates)."""
+        return self.order.version(stage_index, self.pp_size, (self.step_index - 1) * self.m, self.m)

@@ -1,19 +1,23 @@
-"""PipeDream-2BW (Narayanan et al., ICML 2021): 1F1B with no flush, two weight versions per stage.
+"""PipeDream-2BW (Narayanan et al., ICML 2021) and the original PipeDream (SOSP 2019).
 
-Order on rank r (one stage per rank, p ranks, m microbatches per minibatch, global microbatch
-j = k·m + i): a warm-up of w_r = min(p − 1 − r, m) forwards once at the start of training, then
-strictly alternating F(b + w_r), B(b), and the stage's optimizer step S_k right after its last
-backward of minibatch k. Step k's segment is therefore
+Both run the same order on rank r (one stage per rank, p ranks, m microbatches per minibatch,
+global microbatch j = k·m + i): a warm-up of w_r = min(p − 1 − r, m) forwards once at the start of
+training, then strictly alternating F(b + w_r), B(b); the pipeline drains only when training stops.
+Step k's segment is
 
-    F(k, w) B(k, 0) F(k, w+1) B(k, 1) … F(k, m−1) B(k, m−w−1) F(k+1, 0) B(k, m−w) … F(k+1, w−1) B(k, m−1) S_k
+    F(k, w) B(k, 0) F(k, w+1) B(k, 1) … F(k, m−1) B(k, m−w−1) F(k+1, 0) B(k, m−w) … F(k+1, w−1) B(k, m−1)
 
-(the first segment also holds the warm-up; the last one has no forwards of a next minibatch, so the
-pipeline drains only when training stops).
+(the first segment also holds the warm-up; the last one forwards nothing of a next minibatch).
 
-Versions (the x-view of DESIGN's rule; x_v is the stage's weights after v updates): minibatch k
-runs forward and backward on x_{max(k−1, 0)}, S_k computes x_{k+1} = x_k − U(g_k(x_{k−1})), i.e. a
-constant one-step delay at every stage and any depth. Version v lives in buffer v mod 2; S_k writes
-x_{k+1} into buffer (k+1) mod 2, whose last users (minibatch k) have all finished their backward.
+PipeDream-2BW updates each stage once per minibatch, right after its last backward of it. With x_v
+the stage's weights after v updates, minibatch k runs forward and backward on x_{max(k−1, 0)} and
+the update computes x_{k+1} = x_k − U(g_k(x_{k−1})): a one-step delay at every stage and any depth,
+two versions (buffers v mod 2).
+
+PipeDream updates each stage after every backward (one microbatch per update). Microbatch j's
+forward on stage r runs after j − w_r of the stage's updates, so it uses x_{max(j − w_r, 0)} and its
+gradient is applied w_r updates later: stage-dependent staleness p − 1 − r (for m ≥ p − 1), taken at
+a model whose stages have different ages. Stage r keeps w_r + 1 versions (weight stashing).
 """
 
 from __future__ import annotations
@@ -22,19 +26,16 @@ from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Acti
 
 from .async_order import AsyncOrder
 
-__all__ = ["PIPEDREAM_2BW"]
+__all__ = ["PIPEDREAM", "PIPEDREAM_2BW", "PipeDream", "PipeDream2BW"]
 
 
-class PipeDream2BW(AsyncOrder):
-    name = "pipedream-2bw"
-    n_buffers = 2
-    updates_per_step = 1
+def warmup(rank: int, pp_size: int, n_microbatches: int) -> int:
+    return min(pp_size - 1 - rank, n_microbatches)
 
-    def warmup(self, rank: int, pp_size: int, n_microbatches: int) -> int:
-        return min(pp_size - 1 - rank, n_microbatches)
 
+class _OneFOneBWithoutFlush(AsyncOrder):
     def segment(self, rank: int, pp_size: int, n_microbatches: int, step: int, n_steps: int) -> list[_Action]:
-        m, w, total = n_microbatches, self.warmup(rank, pp_size, n_microbatches), n_steps * n_microbatches
+        m, w, total = n_microbatches, warmup(rank, pp_size, n_microbatches), n_steps * n_microbatches
         ops = [_Action(rank, FORWARD, j) for j in range(w)] if step == 0 else []
         for b in range(step * m, step * m + m):
             if b + w < total:
@@ -42,14 +43,21 @@ class PipeDream2BW(AsyncOrder):
             ops.append(_Action(rank, FULL_BACKWARD, b))
         return ops
 
-    def version(self, stage: int, pp_size: int, j: int, n_microbatches: int) -> int:
-        return max(j // n_microbatches - 1, 0)
 
-    def buffer_written_after(self, stage: int, pp_size: int, step: int) -> int:
-        return (step + 1) % 2
+class PipeDream2BW(_OneFOneBWithoutFlush):
+    name = "pipedream-2bw"
 
-    def delay(self, stage: int, pp_size: int) -> int:
+    def delay(self, stage: int, pp_size: int, n_microbatches: int) -> int:
         return 1
 
 
+class PipeDream(_OneFOneBWithoutFlush):
+    name = "pipedream"
+    per_microbatch_updates = True
+
+    def delay(self, stage: int, pp_size: int, n_microbatches: int) -> int:
+        return warmup(stage, pp_size, n_microbatches)
+
+
 PIPEDREAM_2BW = PipeDream2BW()
+PIPEDREAM = PipeDream()

@@ -14,7 +14,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, Sche
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
 from .async_order import AsyncOrder, check_versions
-from .pipedream_2bw import PIPEDREAM_2BW
+from .pipedream_2bw import PIPEDREAM, PIPEDREAM_2BW
 from .validate import ScheduleError, check_schedule, lower_in_order
 
 # Asynchronous orders are checked over this many consecutive steps: the first, a middle and the last.
@@ -103,6 +103,15 @@ register_schedule(
 )
 register_schedule(
     ScheduleSpec(
+        "zbv",
+        "Zero-bubble V: two stages per rank in a V, backward split into input and weight parts",
+        partial(torch_multi_stage_actions, ScheduleZBVZeroBubble),
+        stages_per_rank=2,
+        placement="v",
+    )
+)
+register_schedule(
+    ScheduleSpec(
         "pipedream-2bw",
         "PipeDream-2BW: 1F1B without flushes, two weight versions, every stage one step stale",
         None,
@@ -111,10 +120,9 @@ register_schedule(
 )
 register_schedule(
     ScheduleSpec(
-        "zbv",
-        "Zero-bubble V: two stages per rank in a V, backward split into input and weight parts",
-        partial(torch_multi_stage_actions, ScheduleZBVZeroBubble),
-        stages_per_rank=2,
-        placement="v",
+        "pipedream",
+        "PipeDream: 1F1B without flushes, an update after every backward, stage r p-1-r updates stale",
+        None,
+        order=PIPEDREAM,
     )
 )

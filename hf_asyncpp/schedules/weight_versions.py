@@ -26,7 +26,7 @@ class VersionedStage(nn.Module):
         self.inner = inner
         self.names = [name for name, _ in inner.named_parameters()]
         self.buffers_ = [self._copy_of_master() for _ in range(n_buffers)]
-        self.buffer_version = [0] * n_buffers  # which version (number of updates) each buffer holds
+        self.master_version = 0  # updates applied to the master so far
         self.active: int | None = 0
 
     def _copy_of_master(self) -> dict[str, torch.Tensor]:
@@ -38,20 +38,19 @@ class VersionedStage(nn.Module):
         return functional_call(self.inner, self.buffers_[self.active], args, strict=False)
 
     @torch.no_grad()
-    def move_gradients_to_master(self, buffer: int, scale: float) -> int:
-        """master.grad = scale × buffer's accumulated gradient; the buffer's gradient is cleared.
-        Returns the version the gradient was taken at."""
+    def move_gradients_to_master(self, buffer: int, scale: float) -> None:
+        """master.grad = scale × buffer's accumulated gradient; the buffer's gradient is cleared."""
         versions = self.buffers_[buffer]
         for name, param in self.inner.named_parameters():
             grad = versions[name].grad
             param.grad = None if grad is None else grad.mul_(scale)
             versions[name].grad = None
-        return self.buffer_version[buffer]
 
     @torch.no_grad()
-    def publish_master(self, buffer: int, version: int) -> None:
-        """Copy the master weights (after `version` updates) into `buffer` (no microbatch may be bound to it)."""
+    def publish_master(self, buffer: int) -> None:
+        """Count the update just applied to the master and copy the new weights into `buffer`
+        (no microbatch may be bound to it)."""
+        self.master_version += 1
         versions = self.buffers_[buffer]
         for name, param in self.inner.named_parameters():
             versions[name].copy_(param)
-        self.buffer_version[buffer] = version

@@ -30,9 +30,9 @@ def test_asynchronous_schedules_carry_an_order_and_are_not_synchronous():
 
 def test_unknown_name_raises_value_error_listing_the_names():
     with pytest.raises(ValueError) as info:
-        get_schedule_spec("pipedream")
+        get_schedule_spec("pipedream-4bw")
     message = str(info.value)
-    assert message.startswith("unknown schedule 'pipedream'; available: ")
+    assert message.startswith("unknown schedule 'pipedream-4bw'; available: ")
     for name in SCHEDULES:
         assert name in message
 

@@ -1,4 +1,4 @@
-"""PipeDream-2BW's order and weight versions, checked in one process."""
+"""PipeDream-2BW's and PipeDream's orders and weight versions, checked in one process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from hf_asyncpp.schedules import SCHEDULES, ScheduleError
 from hf_asyncpp.schedules.async_order import check_versions
-from hf_asyncpp.schedules.pipedream_2bw import PIPEDREAM_2BW, PipeDream2BW
+from hf_asyncpp.schedules.pipedream_2bw import PIPEDREAM, PIPEDREAM_2BW, PipeDream2BW
 
 
 def _text(ops, m):
@@ -27,9 +27,10 @@ def test_last_rank_alternates_without_warmup():
     assert _text(PIPEDREAM_2BW.segment(3, 4, 4, 1, 3), 4) == "F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3"
 
 
+@pytest.mark.parametrize("name", ["pipedream-2bw", "pipedream"])
 @pytest.mark.parametrize("pp_size, m", [(2, 1), (2, 4), (3, 2), (4, 1), (4, 2), (4, 4), (4, 8), (6, 3)])
-def test_the_registered_schedule_validates_including_m_below_p(pp_size, m):
-    spec = SCHEDULES["pipedream-2bw"]
+def test_the_registered_schedule_validates_including_m_below_p(name, pp_size, m):
+    spec = SCHEDULES[name]
     assert not spec.synchronous
     spec.check_microbatches(pp_size, m)  # sends/receives pair, F before B, no deadlock, versions
 
@@ -43,24 +44,38 @@ def test_every_stage_runs_minibatch_k_on_version_k_minus_1():
 
 def test_at_most_two_versions_are_live_and_none_is_overwritten_in_use():
     for pp_size in (2, 4, 8):
+        assert {PIPEDREAM_2BW.n_buffers(s, pp_size, pp_size) for s in range(pp_size)} == {2}
         check_versions(PIPEDREAM_2BW, pp_size, pp_size, 5)
 
 
-def test_a_single_buffer_would_overwrite_weights_a_pending_backward_needs():
-    class OneBuffer(PipeDream2BW):
-        n_buffers = 1
+def test_pipedream_staleness_grows_toward_the_first_stage():
+    """Stage r takes each gradient at weights p − 1 − r updates old and stashes p − r versions."""
+    pp_size, m = 4, 4
+    assert [PIPEDREAM.delay(s, pp_size, m) for s in range(pp_size)] == [3, 2, 1, 0]
+    assert [PIPEDREAM.n_buffers(s, pp_size, m) for s in range(pp_size)] == [4, 3, 2, 1]
+    # Microbatch j on stage 0 runs on version j − 3 (the first four on the initial weights).
+    assert [PIPEDREAM.version(0, pp_size, j, m) for j in range(8)] == [0, 0, 0, 0, 1, 2, 3, 4]
+    check_versions(PIPEDREAM, pp_size, m, 4)
 
-        def buffer_written_after(self, stage, pp_size, step):
-            return 0
+
+def test_pipedream_with_few_microbatches_caps_its_warmup_and_delay():
+    assert [PIPEDREAM.delay(s, 4, 2) for s in range(4)] == [2, 2, 1, 0]
+    check_versions(PIPEDREAM, 4, 2, 4)
+
+
+def test_too_few_buffers_would_overwrite_weights_a_pending_backward_needs():
+    class OneBuffer(PipeDream2BW):
+        def n_buffers(self, stage, pp_size, n_microbatches):
+            return 1
 
     with pytest.raises(ScheduleError, match="overwrites buffer 0 while microbatches"):
         check_versions(OneBuffer(), 4, 4, 3)
 
 
-def test_a_wrong_version_rule_is_caught():
+def test_a_version_rule_that_disagrees_with_the_delay_is_caught():
     class Fresh(PipeDream2BW):
         def version(self, stage, pp_size, j, n_microbatches):
             return j // n_microbatches  # no delay, but delay() still says 1
 
-    with pytest.raises(ScheduleError, match="runs on version"):
+    with pytest.raises(ScheduleError, match="needs version 1, but after 0 updates"):
         check_versions(Fresh(), 2, 2, 3)
