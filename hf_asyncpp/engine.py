@@ -113,6 +113,22 @@ def build_full_model(config: TrainConfig, model_config) -> torch.nn.Module:
     return model.train()
 
 
+class _Updater:
+    """The optimizer and LR schedule of parameters that are updated together."""
+
+    def __init__(self, config: TrainConfig, params: list[torch.nn.Parameter], order):
+        self.params = params
+        self.optimizer = build_optimizer(
+            config.optimizer, params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
+        )
+        # The LR schedule advances once per update: m times a step when stages update per microbatch.
+        per_step = config.n_microbatches if order is not None and order.per_microbatch_updates else 1
+        self.lr_scheduler = get_scheduler(
+            config.lr_scheduler_type, self.optimizer, num_warmup_steps=config.warmup_steps * per_step,
+            num_training_steps=config.max_steps * per_step,
+        )
+
+
 class PipelineEngine:
     def __init__(self, config: TrainConfig, model_config, layout: ParallelLayout, model: torch.nn.Module | None = None):
         self.config, self.layout = config, layout
@@ -142,24 +158,21 @@ class PipelineEngine:
         timed_loss = self.timer.timed(self.loss_fn)
         if self.versioned:
             self.schedule = AsyncPipelineSchedule(
-                self.stages, m, timed_loss, order, config.max_steps, update_stage=self._update_after_microbatch
+                self.stages, m, timed_loss, order, config.max_steps, update_stage=self._update_stage
             )
         else:
             sync_spec = get_schedule_spec("gpipe") if order else self.spec
             self.schedule = build_schedule(sync_spec, self.stages, m, timed_loss)
         self.params = [p for module in self.modules for p in module.parameters()]
-        self.optimizer = build_optimizer(
-            config.optimizer, self.params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
-        )
+        # What steps together: each local stage on its own under an asynchronous pipeline (stages of
+        # one rank update at different times), all local stages at once otherwise.
+        self.updaters = [
+            _Updater(config, [p for mod in group for p in mod.parameters()], order)
+            for group in ([[mod] for mod in self.modules] if self.versioned else [self.modules])
+        ]
         self.emulator = (
-            StalenessEmulator(self.optimizer, {p: order.delay(0, 1, m) for p in self.params})
+            StalenessEmulator(self.updaters[0].optimizer, {p: order.delay(0, 1, m) for p in self.params})
             if order and not self.versioned else None
-        )
-        # The LR schedule advances once per update: m times a step when stages update per microbatch.
-        updates_per_step = m if order and order.per_microbatch_updates else 1
-        self.lr_scheduler = get_scheduler(
-            config.lr_scheduler_type, self.optimizer, num_warmup_steps=config.warmup_steps * updates_per_step,
-            num_training_steps=config.max_steps * updates_per_step,
         )
         self._routing_load_counters = [m.routing_load for m in self.modules if m.routing_load is not None]
         self._unfinished: list[ReducedStepStats] = []
@@ -177,43 +190,42 @@ class PipelineEngine:
         target = rows if self.holds_last_stage else None
         self.schedule.step(*args, target=target, return_outputs=False)  # logits are not kept
 
-    def _apply_update(self) -> float:
+    def _apply_update(self, updater: "_Updater") -> float:
         """Average gradients over dp, clip, step the optimizer (through the emulator when emulating)
         and the LR schedule. Returns this rank's squared gradient norm before clipping."""
-        self._average_gradients_over_dp()
-        grad_sq_norm = self._clip_gradients()
-        (self.emulator or self.optimizer).step()
-        self.lr_scheduler.step()
+        self._average_gradients_over_dp(updater.params)
+        grad_sq_norm = self._clip_gradients(updater.params)
+        (self.emulator or updater.optimizer).step()
+        updater.lr_scheduler.step()
         return grad_sq_norm
 
-    def _update_versioned(self, index: int, version: int, grad_scale: float) -> None:
-        """One update of local stage `index` from the gradient taken at weight `version`."""
-        versioned, stage = self.versioned[index], self.stage_ids[index]
+    def _update_stage(self, stage: int, version: int, grad_scale: float) -> None:
+        """One update of local stage `stage` from the gradient taken at weight `version` (called by
+        the asynchronous runtime when the order says the stage's update is due)."""
+        index = self.stage_ids.index(stage)
+        versioned, updater = self.versioned[index], self.updaters[index]
         order, pp_size, m = self.spec.order, self.layout.pp_size, self.config.n_microbatches
         versioned.move_gradients_to_master(order.buffer(stage, pp_size, version, m), grad_scale)
         self._step_ages[stage] = max(self._step_ages.get(stage, 0), versioned.master_version - version)
-        self._step_sq_norms.append(self._apply_update())
+        self._step_sq_norms.append(self._apply_update(updater))
         versioned.publish_master(order.buffer(stage, pp_size, versioned.master_version + 1, m))
 
-    def _update_after_microbatch(self, stage: int, version: int) -> None:
-        self._update_versioned(self.stage_ids.index(stage), version, 1.0)
-
-    def _average_gradients_over_dp(self) -> None:
+    def _average_gradients_over_dp(self, params: list[torch.nn.Parameter]) -> None:
         if self.layout.dp_size == 1:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.layout.dp_group)
         flat /= self.layout.dp_size
-        for p, synced in zip(self.params, torch._utils._unflatten_dense_tensors(flat, grads)):
+        for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
             p.grad = synced
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self, params: list[torch.nn.Parameter]) -> float:
         """Clip by the L2 norm and return this rank's squared norm (dp replicas hold the same
         averaged gradients). Synchronous schedules clip by the global norm over all stages; the
         asynchronous ones by each stage's own norm, since a pipeline-wide norm would make every
         stage wait for the others at every step, which is the bubble they exist to remove."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
         local_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
         local_sq = local_norm.double() ** 2
         norm = local_sq.sqrt()
@@ -222,7 +234,7 @@ class PipelineEngine:
             dist.all_reduce(total_sq, group=self.layout.pp_group)
             norm = total_sq.sqrt()
         if self.config.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm.float(), foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm.float(), foreach=True)
         return local_sq.item()
 
     def train_step(self, rows: torch.Tensor, next_rows: torch.Tensor | None = None) -> StepResult:
@@ -230,25 +242,24 @@ class PipelineEngine:
         into the next minibatch: pass its rows as `next_rows` (None on the last step, which drains)."""
         start = time.perf_counter()
         self.timer.take()  # drop compute time of anything run since the last step (e.g. evaluation)
-        self.optimizer.zero_grad(set_to_none=True)
+        for updater in self.updaters:
+            updater.optimizer.zero_grad(set_to_none=True)
         for counter in self._routing_load_counters:
             counter.reset()
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.updaters[0].optimizer.param_groups[0]["lr"]
         self._step_sq_norms, self._step_ages = [], {}
         # Weight-version age: updates between the weights a gradient was taken at and those it updates.
         if self.versioned:
             device = self.layout.device
+            # Stages update inside the segment, when their update is due (see _update_stage).
             self.schedule.run_step(rows.to(device), None if next_rows is None else next_rows.to(device))
             busy = self.timer.take()
-            if not self.spec.order.per_microbatch_updates:  # else the stages updated after each backward
-                for index, stage in enumerate(self.stage_ids):
-                    self._update_versioned(index, self.schedule.gradient_version(stage), 1.0 / self.config.n_microbatches)
         else:
             age = max((self.emulator.version_age(p) for p in self.params), default=0) if self.emulator else 0
             with self.emulator.stale_weights() if self.emulator else contextlib.nullcontext():
                 self.run_microbatches(rows)
             busy = self.timer.take()
-            self._step_sq_norms = [self._apply_update()]
+            self._step_sq_norms = [self._apply_update(self.updaters[0])]
             self._step_ages = dict.fromkeys(self.stage_ids, age)
         for counter in self._routing_load_counters:
             counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)

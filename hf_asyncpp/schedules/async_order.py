@@ -4,8 +4,9 @@ segments, when each stage updates, and the weight version each microbatch is bou
 An asynchronous schedule never flushes: the actions of one optimizer step on a rank (its segment)
 may forward microbatches of the next minibatch, whose backward comes in the next segment. Actions
 use global microbatch ids j = k·m + i; the runtime maps them to torch's per-stage chunk slots
-j mod (2m). A stage updates once per step (after its segment) or after every backward; the new
-weights are version v = number of the stage's updates so far, held in buffer v mod n_buffers.
+j mod (2m). A stage updates after the backward of each minibatch's last microbatch, or after every
+backward; the new weights are version v = number of the stage's updates so far, held in buffer
+v mod n_buffers.
 `stream` concatenates the segments of n_steps steps, which is what one-process validation checks
 (sends, receives, F before B, no deadlock) together with `check_versions`.
 """
@@ -24,6 +25,7 @@ class AsyncOrder:
     per_microbatch_updates: bool = False  # True: a stage updates after each backward, else once per step
 
     def segment(self, rank: int, pp_size: int, n_microbatches: int, step: int, n_steps: int) -> list[_Action]:
+        """Rank `rank`'s actions (all its stages) between step `step`'s start and the next step's."""
         raise NotImplementedError
 
     def delay(self, stage: int, pp_size: int, n_microbatches: int) -> int:
@@ -53,45 +55,39 @@ class AsyncOrder:
 
 
 def check_versions(order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps: int) -> None:
-    """Play each rank's order with its updates: every microbatch runs, forward and backward, on a
-    version that exists and is still held; an update never overwrites a buffer that a microbatch
-    waiting for its backward is bound to; the version a gradient is taken at is `delay` updates old
-    (fewer only at the start)."""
+    """Play each rank's order with its updates (after every backward, or after the backward of a
+    minibatch's last microbatch): every microbatch runs, forward and backward, on a version that
+    exists and is still held; an update never overwrites a buffer that a microbatch waiting for its
+    backward is bound to; a gradient is taken at weights exactly `delay` updates old (fewer only at
+    the start)."""
     m = n_microbatches
-    for rank in range(pp_size):
-        n_buffers = order.n_buffers(rank, pp_size, m)
-        updates = 0
-        bound: dict[int, int] = {}  # in-flight microbatch → version
-
-        def update(step: int) -> None:
-            nonlocal updates
-            updates += 1
-            written = order.buffer(rank, pp_size, updates, m)
-            clash = sorted(j for j, v in bound.items() if order.buffer(rank, pp_size, v, m) == written)
-            if clash:
-                raise ScheduleError(
-                    f"rank {rank}: update {updates} (step {step}) overwrites buffer {written} while microbatches "
-                    f"{clash} wait for their backward"
-                )
-
-        for step in range(n_steps):
-            for action in order.segment(rank, pp_size, m, step, n_steps):
-                j = action.microbatch_index
-                version = order.version(rank, pp_size, j, m)
-                if action.computation_type == FORWARD:
-                    if not updates - n_buffers < version <= updates:
-                        raise ScheduleError(
-                            f"rank {rank}: microbatch {j} needs version {version}, but after {updates} updates "
-                            f"only versions {max(updates - n_buffers + 1, 0)}..{updates} are held"
-                        )
-                    bound[j] = version
-                elif action.computation_type == FULL_BACKWARD:
-                    if bound.pop(j, None) != version:
-                        raise ScheduleError(f"rank {rank}: backward of {j} is not on its forward's version")
-                    age = updates - version
-                    if age > order.delay(rank, pp_size, m) or (version > 0 and age != order.delay(rank, pp_size, m)):
-                        raise ScheduleError(f"rank {rank}: the gradient of {j} is {age} updates old")
-                    if order.per_microbatch_updates:
-                        update(step)
-            if not order.per_microbatch_updates:
-                update(step)
+    for rank, ops in order.stream(pp_size, m, n_steps).items():
+        updates: dict[int, int] = {}  # stage → updates applied
+        bound: dict[tuple[int, int], int] = {}  # (stage, in-flight microbatch) → version
+        for action in ops:
+            stage, j = action.stage_index, action.microbatch_index
+            done, delay = updates.get(stage, 0), order.delay(stage, pp_size, m)
+            n_buffers = order.n_buffers(stage, pp_size, m)
+            version = order.version(stage, pp_size, j, m)
+            where = f"rank {rank}, stage {stage}"
+            if action.computation_type == FORWARD:
+                if not done - n_buffers < version <= done:
+                    raise ScheduleError(
+                        f"{where}: microbatch {j} needs version {version}, but after {done} updates only versions "
+                        f"{max(done - n_buffers + 1, 0)}..{done} are held"
+                    )
+                bound[(stage, j)] = version
+                continue
+            if bound.pop((stage, j), None) != version:
+                raise ScheduleError(f"{where}: backward of {j} is not on its forward's version")
+            if done - version > delay or (version > 0 and done - version != delay):
+                raise ScheduleError(f"{where}: the gradient of {j} is {done - version} updates old, not {delay}")
+            if order.per_microbatch_updates or j % m == m - 1:
+                updates[stage] = done + 1
+                written = order.buffer(stage, pp_size, done + 1, m)
+                clash = sorted(i for (s, i), v in bound.items() if s == stage and order.buffer(s, pp_size, v, m) == written)
+                if clash:
+                    raise ScheduleError(
+                        f"{where}: update {done + 1} overwrites buffer {written} while microbatches {clash} wait "
+                        "for their backward"
+                    )

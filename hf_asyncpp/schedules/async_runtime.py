@@ -33,9 +33,10 @@ __all__ = ["AsyncPipelineSchedule"]
 
 class AsyncPipelineSchedule(_PipelineScheduleRuntime):
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, order: AsyncOrder,
-                 n_steps: int, update_stage: Callable[[int, int], None] | None = None):
-        """`update_stage(stage_index, version)` is called after every backward when the order updates
-        per microbatch (version: the one that microbatch ran on)."""
+                 n_steps: int, update_stage: Callable[[int, int, float], None]):
+        """`update_stage(stage_index, version, grad_scale)` is called when a stage's update is due:
+        after the backward of a minibatch's last microbatch (grad_scale 1/m), or after every backward
+        for per-microbatch orders (grad_scale 1); `version` is the one the gradient was taken at."""
         self.n_slots = 2 * n_microbatches
         super().__init__(stages=stages, n_microbatches=self.n_slots, loss_fn=loss_fn, scale_grads=False)
         self.order, self.m, self.n_steps = order, n_microbatches, n_steps
@@ -44,11 +45,11 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
         for stage in self._stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
             stage.forward_one_chunk = self._bound_forward(stage, stage.forward_one_chunk)
-            if order.per_microbatch_updates:
-                stage.backward_one_chunk = self._updating_backward(stage, stage.backward_one_chunk)
+            stage.backward_one_chunk = self._updating_backward(stage, stage.backward_one_chunk)
         self.update_stage = update_stage
         self._slot_owner: dict[tuple[int, int], int] = {}  # (stage, slot) → global microbatch
         self._losses: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # minibatch index → its rows, while it may be forwarded
         self.step_index = 0
 
     # --- torch hooks --------------------------------------------------------------------------
@@ -70,7 +71,11 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
     def _updating_backward(self, stage: PipelineStage, backward):
         def backward_then_update(chunk_id, *args, **kwargs):
             result = backward(chunk_id, *args, **kwargs)
-            self.update_stage(stage.stage_index, self._version_of(stage, chunk_id))
+            j = self._slot_owner[(stage.stage_index, chunk_id)]
+            if self.order.per_microbatch_updates:
+                self.update_stage(stage.stage_index, self._version_of(stage, chunk_id), 1.0)
+            elif j % self.m == self.m - 1:
+                self.update_stage(stage.stage_index, self._version_of(stage, chunk_id), 1.0 / self.m)
             return result
 
         return backward_then_update
@@ -84,19 +89,13 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
 
     # --- one optimizer step's segment ----------------------------------------------------------
 
-    def segment(self, step: int) -> list[_Action]:
-        return [
-            a for s in self.stage_index_to_group_rank if self.stage_index_to_group_rank[s] == self.rank
-            for a in self.order.segment(s, self.pp_size, self.m, step, self.n_steps)
-        ]
-
-    def run_step(self, rows: torch.Tensor | None, next_rows: torch.Tensor | None) -> None:
-        """Run this rank's segment of step `step_index`. The first stage needs this minibatch's
-        rows and, when the segment forwards into the next minibatch, that one's too; the last stage
-        needs this minibatch's rows as labels."""
+    def run_step(self, rows: torch.Tensor | None, next_rows: torch.Tensor | None = None) -> None:
+        """Run this rank's segment of step `step_index`. The first stage needs the rows of the
+        minibatches it forwards and the last stage their labels: this step's, and the next one's when
+        the order forwards ahead (pass `next_rows`; None on the last step)."""
         step, m = self.step_index, self.m
-        ops = self.segment(step)
-        minibatches = {step: rows, step + 1: next_rows}
+        self._rows.update({k: r for k, r in ((step, rows), (step + 1, next_rows)) if r is not None})
+        ops = self.order.segment(self.rank, self.pp_size, m, step, self.n_steps)
         arg_mbs: list = [()] * self.n_slots
         target_mbs: list = [None] * self.n_slots
         last_stage = self._num_stages - 1
@@ -106,10 +105,9 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
             self._slot_owner[(a.stage_index, slot)] = j
             if a.computation_type != FORWARD or a.stage_index not in (0, last_stage):
                 continue
-            source = minibatches.get(j // m)
-            if source is None:
+            if j // m not in self._rows:
                 raise ValueError(f"step {step} forwards microbatch {j} of minibatch {j // m}, whose rows were not given")
-            microbatch = source.chunk(m)[j % m]
+            microbatch = self._rows[j // m].chunk(m)[j % m]
             if a.stage_index == 0:
                 arg_mbs[slot] = (microbatch,)
             if a.stage_index == last_stage:
@@ -123,8 +121,5 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
         for stage in self._stages:
             stage.has_backward = self._has_backward
         self._step_microbatches(arg_mbs, None, target_mbs, return_outputs=False)
+        self._rows = {k: r for k, r in self._rows.items() if k > step - 2}
         self.step_index += 1
-
-    def gradient_version(self, stage_index: int) -> int:
-        """The version the step just run took its gradient at, on `stage_index` (per-step updates)."""
-        return self.order.version(stage_index, self.pp_size, (self.step_index - 1) * self.m, self.m)

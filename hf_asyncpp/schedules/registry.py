@@ -14,7 +14,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, Sche
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
 from .async_order import AsyncOrder, check_versions
-from .pipedream_2bw import PIPEDREAM, PIPEDREAM_2BW
+from .pipedream import PIPEDREAM, PIPEDREAM_2BW
 from .validate import ScheduleError, check_schedule, lower_in_order
 
 # Asynchronous orders are checked over this many consecutive steps: the first, a middle and the last.

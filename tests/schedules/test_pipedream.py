@@ -6,7 +6,7 @@ import pytest
 
 from hf_asyncpp.schedules import SCHEDULES, ScheduleError
 from hf_asyncpp.schedules.async_order import check_versions
-from hf_asyncpp.schedules.pipedream_2bw import PIPEDREAM, PIPEDREAM_2BW, PipeDream2BW
+from hf_asyncpp.schedules.pipedream import PIPEDREAM, PIPEDREAM_2BW, PipeDream2BW
 
 
 def _text(ops, m):
