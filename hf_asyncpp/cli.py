@@ -20,7 +20,7 @@ def _show_schedules(argv: list[str]) -> int:
 
     from torch.distributed.pipelining.schedules import _format_pipeline_order
 
-    from .schedules import SCHEDULES
+    from .schedules import SCHEDULES, ScheduleError
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp schedules")
     parser.add_argument("--pp", type=int, default=2)
@@ -30,8 +30,8 @@ def _show_schedules(argv: list[str]) -> int:
         print(f"== {spec.name}: {spec.description}")
         try:
             print(_format_pipeline_order(spec.actions(args.pp, args.microbatches)))
-        except ValueError as err:
-            print(f"   (cannot run: {err})")
+        except (ValueError, ScheduleError) as err:
+            print(f"   (cannot run: {str(err).splitlines()[0]})")
     return 0
 
 

@@ -160,8 +160,9 @@ class PipelineEngine:
             self.schedule = AsyncPipelineSchedule(
                 self.stages, m, timed_loss, order, config.max_steps, update_stage=self._update_stage
             )
-        else:
-            sync_spec = get_schedule_spec("gpipe") if order else self.spec
+        else:  # emulating an asynchronous order runs its stages through a flushed schedule of the same shape
+            sync_spec = get_schedule_spec("gpipe" if self.spec.stages_per_rank == 1 else "interleaved-1f1b") \
+                if order else self.spec
             self.schedule = build_schedule(sync_spec, self.stages, m, timed_loss)
         self.params = [p for module in self.modules for p in module.parameters()]
         # What steps together: each local stage on its own under an asynchronous pipeline (stages of
@@ -171,7 +172,10 @@ class PipelineEngine:
             for group in ([[mod] for mod in self.modules] if self.versioned else [self.modules])
         ]
         self.emulator = (
-            StalenessEmulator(self.updaters[0].optimizer, {p: order.delay(0, 1, m) for p in self.params})
+            StalenessEmulator(
+                self.updaters[0].optimizer,
+                {p: order.delay(s, layout.pp_size, m) for mod, s in zip(self.modules, self.stage_ids) for p in mod.parameters()},
+            )
             if order and not self.versioned else None
         )
         self._routing_load_counters = [m.routing_load for m in self.modules if m.routing_load is not None]
@@ -266,7 +270,7 @@ class PipelineEngine:
         self.step_count += 1
         step_time = time.perf_counter() - start
         # With per-microbatch updates a step holds m of them: report their mean squared norm.
-        grad_sq_norm = sum(self._step_sq_norms) / len(self._step_sq_norms)
+        grad_sq_norm = sum(self._step_sq_norms) / len(self._step_sq_norms) if self._step_sq_norms else 0.0
         reduced = ReducedStepStats(
             self.loss_fn.take(self.config.n_microbatches),
             grad_sq_norm if self.layout.dp_rank == 0 else None,
@@ -279,7 +283,10 @@ class PipelineEngine:
         return StepResult(self.step_count, lr, rows.numel() * self.layout.dp_size, step_time, busy, reduced)
 
     def finish(self) -> None:
-        """Wait for every step's statistics reduction (call before tearing down process groups)."""
+        """Wait for every step's statistics reduction and in-flight send (call before tearing down
+        process groups)."""
+        if self.versioned:
+            self.schedule.finish()
         for reduced in self._unfinished:
             reduced.value("loss")
         self._unfinished = []

@@ -33,14 +33,16 @@ def stage_delays(model, model_config, pp_size, schedule):
     from hf_asyncpp.models import plan_stages
     from hf_asyncpp.schedules import get_schedule_spec
 
-    plan, order = plan_stages(model_config, pp_size), get_schedule_spec(schedule).order
+    spec = get_schedule_spec(schedule)
+    n_stages = spec.n_stages(pp_size)
+    plan, order = plan_stages(model_config, n_stages), spec.order
     delays = {}
     for name, param in model.named_parameters():
         if name.startswith("model.layers."):
             layer = int(name.split(".")[2])
             stage = next(s for s, layers in enumerate(plan) if layer in layers)
         else:
-            stage = 0 if name.startswith("model.embed_tokens") else pp_size - 1
+            stage = 0 if name.startswith("model.embed_tokens") else n_stages - 1
         delays[param] = order.delay(stage, pp_size, M)
     return delays
 
@@ -124,8 +126,12 @@ def _check(reports, schedule="pipedream-2bw"):
             assert report[i]["param_diff"] < TOL, report[i]
             assert report[i]["loss_diff"] < TOL, report[i]
             assert report[i]["moved"] > 1e-3, report[i]  # the updates really happened
-        pp_size = len(row["ages"][0])
-        final_ages = [1] * pp_size if schedule == "pipedream-2bw" else [min(pp_size - 1 - s, M) for s in range(pp_size)]
+        n_stages = len(row["ages"][0])
+        final_ages = {
+            "pipedream-2bw": [1] * n_stages,
+            "pipedream": [min(n_stages - 1 - s, M) for s in range(n_stages)],
+            "wpipe": [1] * (n_stages // 2) + [0] * (n_stages // 2),
+        }[schedule]
         assert row["ages"][-1] == final_ages, row["ages"]
 
 
@@ -150,3 +156,15 @@ def test_pipedream_equals_the_per_stage_delay_emulator(pp_size):
 @pytest.mark.multirank
 def test_pipedream_with_data_parallel_replicas_equals_the_emulator():
     _check(run_ranks(4, _worker, 2, ["tiny-mixtral"], ["adamw"], "pipedream"), "pipedream")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("pp_size", [2, 4])
+def test_wpipe_equals_the_emulator_with_one_stale_half(pp_size):
+    """WPipe: the first half of the stages (group 1) one update stale, the second half fresh."""
+    _check(run_ranks(pp_size, _worker, pp_size, ["tiny-qwen3-moe", "tiny-olmoe"], ["sgd", "adamw"], "wpipe"), "wpipe")
+
+
+@pytest.mark.multirank
+def test_wpipe_with_data_parallel_replicas_equals_the_emulator():
+    _check(run_ranks(4, _worker, 2, ["tiny-mixtral"], ["adamw"], "wpipe"), "wpipe")

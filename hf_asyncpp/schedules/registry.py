@@ -16,6 +16,7 @@ from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_m
 from .async_order import AsyncOrder, check_versions
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW
 from .validate import ScheduleError, check_schedule, lower_in_order
+from .wpipe import WPIPE
 
 # Asynchronous orders are checked over this many consecutive steps: the first, a middle and the last.
 VALIDATION_STEPS = 3
@@ -54,7 +55,12 @@ class ScheduleSpec:
             check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches)
             return actions
         actions = self.order.stream(pp_size, n_microbatches, VALIDATION_STEPS)
-        check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches * VALIDATION_STEPS, lower=lower_in_order)
+
+        def lower_as_run(ops, stage_to_rank, n_stages):
+            # Sends never block the runtime; only the end of training waits for them (None).
+            return lower_in_order(ops, stage_to_rank, n_stages) + [None]
+
+        check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches * VALIDATION_STEPS, lower=lower_as_run)
         check_versions(self.order, pp_size, n_microbatches, VALIDATION_STEPS)
         return actions
 
@@ -124,5 +130,14 @@ register_schedule(
         "PipeDream: 1F1B without flushes, an update after every backward, stage r p-1-r updates stale",
         None,
         order=PIPEDREAM,
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        "wpipe",
+        "WPipe: two stages per rank in two groups; the first half of the layers one step stale, the second fresh",
+        None,
+        stages_per_rank=2,
+        order=WPIPE,
     )
 )

@@ -47,9 +47,11 @@ def lower_with_comms(actions: ComputeActions, stage_to_rank: Callable[[int], int
     return _add_send_recv(compute_only, stage_to_rank=stage_to_rank, num_stages=n_stages)
 
 
-def lower_in_order(ops: list[_Action], stage_to_rank: Callable[[int], int], n_stages: int) -> list[_Action]:
-    """One rank's compute actions with a receive just before the compute that needs it and a send
-    just after the compute that produces it (the lowering the asynchronous runtime runs)."""
+def lower_in_order(ops: list[_Action], stage_to_rank: Callable[[int], int], n_stages: int,
+                   sends: bool = True) -> list[_Action]:
+    """One rank's compute actions with a receive just before the compute that needs it and (with
+    `sends`) a send just after the compute that produces it: the order the asynchronous runtime
+    executes (it issues the sends itself, right after the compute, and never blocks on them)."""
     lowered = []
     for a in ops:
         s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
@@ -58,13 +60,13 @@ def lower_in_order(ops: list[_Action], stage_to_rank: Callable[[int], int], n_st
             if s > 0 and stage_to_rank(s - 1) != rank:
                 lowered.append(_Action(s, RECV_F, mb))
             lowered.append(a)
-            if s < n_stages - 1 and stage_to_rank(s + 1) != rank:
+            if sends and s < n_stages - 1 and stage_to_rank(s + 1) != rank:
                 lowered.append(_Action(s, SEND_F, mb))
         else:
             if s < n_stages - 1 and stage_to_rank(s + 1) != rank:
                 lowered.append(_Action(s, RECV_B, mb))
             lowered.append(a)
-            if s > 0 and stage_to_rank(s - 1) != rank:
+            if sends and s > 0 and stage_to_rank(s - 1) != rank:
                 lowered.append(_Action(s, SEND_B, mb))
     return lowered
 
@@ -98,7 +100,9 @@ def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_micro
                    lower: Callable | None = None) -> dict:
     """Validate and simulate; returns the lowered per-rank lists (compute + comms).
 
-    `lower(ops, stage_to_rank, n_stages)` lowers one rank's list; default: torch's pass over all ranks."""
+    `lower(ops, stage_to_rank, n_stages)` lowers one rank's list; default: torch's pass over all ranks.
+    A lowered list may hold None: there the rank waits until every send it issued was received (the
+    end of a runtime call, where torch waits for its sends)."""
     _check_indices_and_repeats(actions, n_stages, n_microbatches)
     try:
         stage_to_rank = _validate_schedule(actions, pp_size, n_stages, n_microbatches)
@@ -108,8 +112,7 @@ def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_micro
         if lower is None:
             lowered = lower_with_comms(actions, stage_to_rank.__getitem__, n_stages)
         else:
-            lowered = {r: lower([a for a in ops if a is not None], stage_to_rank.__getitem__, n_stages)
-                       for r, ops in actions.items()}
+            lowered = {r: lower(ops, stage_to_rank.__getitem__, n_stages) for r, ops in actions.items()}
     except AssertionError as err:  # torch's lowering gives up on orders that would hang
         raise ScheduleError(f"{err}: an order that would hang\n\n{_format_pipeline_order(actions)}") from None
 
@@ -118,8 +121,11 @@ def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_micro
     done_forward: set[tuple[int, int]] = set()  # (stage, mb) forwarded, on any rank
     done_backward: set[tuple[int, int]] = set()
     position = {r: 0 for r in lowered}
+    sent_by: dict[int, set[tuple]] = {r: set() for r in lowered}
 
-    def ready(rank: int, action: _Action) -> bool:
+    def ready(rank: int, action: _Action | None) -> bool:
+        if action is None:
+            return sent_by[rank] <= received
         s, kind, mb = action.stage_index, action.computation_type, action.microbatch_index
         if kind == RECV_F:
             return ("F", s - 1, mb) in sent
@@ -127,12 +133,14 @@ def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_micro
             return ("B", s + 1, mb) in sent
         return True
 
-    def run(rank: int, step: int, action: _Action) -> None:
+    def run(rank: int, step: int, action: _Action | None) -> None:
+        if action is None:
+            return
         s, kind, mb = action.stage_index, action.computation_type, action.microbatch_index
-        if kind == SEND_F:
-            sent.add(("F", s, mb))
-        elif kind == SEND_B:
-            sent.add(("B", s, mb))
+        if kind in (SEND_F, SEND_B):
+            message = ("F" if kind == SEND_F else "B", s, mb)
+            sent.add(message)
+            sent_by[rank].add(message)
         elif kind == RECV_F:
             received.add(("F", s - 1, mb))
         elif kind == RECV_B:
@@ -161,7 +169,9 @@ def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_micro
     stuck = {r: p for r, p in position.items() if p < len(lowered[r])}
     if stuck:
         rank, step = next(iter(stuck.items()))
-        _fail(f"deadlock: {lowered[rank][step]} waits for a send that never comes", lowered, rank, step)
+        waiting = lowered[rank][step]
+        what = "the end of a step, for its sends to be received," if waiting is None else waiting
+        _fail(f"deadlock: {what} waits forever", lowered, rank, step)
     if sent != received:
         orphan = sorted(map(str, sent ^ received))
         raise ScheduleError(f"sends and receives do not pair up: {orphan}")
