@@ -2,7 +2,7 @@
 
 Setup: the "tiny-moe" preset (random init), pp = 2 on 2 gloo ranks spawned here, seq_len 128,
 micro_batch_size 8, one torch thread per rank, AdamW, synthetic token rows (same rows for every arm).
-Arms: schedule × m (n_microbatches). Each arm runs in fresh processes (so peak RSS is its own) and
+Arms: schedule × m (n_microbatches); two-stage-per-rank schedules (WPipe) cut the model into 2p stages. Each arm runs in fresh processes (so peak RSS is its own) and
 takes --warmup + --steps consecutive optimizer steps without any barrier between them (a barrier
 per step would re-create the bubble an asynchronous schedule removes), plus, for asynchronous
 schedules, the final draining step, which is not measured.
@@ -17,7 +17,7 @@ Measured per arm and rank:
 Theoretical idle (p − 1)/(m + p − 1) is printed for reference: stages are unequal (the last carries
 lm_head and the loss), so the measured limit, not the formula, is the ceiling.
 
-    python benchmarks/pipeline_schedules.py [--schedules gpipe,1f1b,pipedream-2bw]
+    python benchmarks/pipeline_schedules.py [--schedules gpipe,1f1b,pipedream-2bw,wpipe,pipedream]
         [--microbatches 2,4,8] [--steps 8] [--warmup 3] [--out benchmarks/results/pipeline_schedules.json]
 """
 
@@ -42,29 +42,29 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pipeline_schedules.
 
 
 def _bubble_free_ms(engine, rows, repeats: int) -> float:
-    """Forward + backward of the step's microbatches on this rank's stage, no pipeline around it
+    """Forward + backward of the step's microbatches on this rank's stages, no pipeline around them
     (mean over `repeats`, the same statistic as the step time)."""
     import torch
 
-    module = engine.modules[0]
     m = engine.config.n_microbatches
-    hidden = module.config.hidden_size
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for mb in rows.chunk(m):
-            if module.is_first:
-                args = (mb,)
-            else:
-                args = (torch.randn(mb.shape[0], SEQ_LEN, hidden, requires_grad=True),)
-                if module.carries_router_stats:
-                    args += (torch.zeros(2 * module.num_experts + 1, requires_grad=True),)
-            out = module(*args)
-            outputs = out if isinstance(out, tuple) else (out,)
-            loss = engine.loss_fn(out, mb) if module.is_last else sum(o.float().sum() for o in outputs)
-            loss.backward()
+        for module in engine.modules:
+            for mb in rows.chunk(m):
+                if module.is_first:
+                    args = (mb,)
+                else:
+                    args = (torch.randn(mb.shape[0], SEQ_LEN, module.config.hidden_size, requires_grad=True),)
+                    if module.carries_router_stats:
+                        args += (torch.zeros(2 * module.num_experts + 1, requires_grad=True),)
+                out = module(*args)
+                outputs = out if isinstance(out, tuple) else (out,)
+                loss = engine.loss_fn(out, mb) if module.is_last else sum(o.float().sum() for o in outputs)
+                loss.backward()
         times.append(time.perf_counter() - start)
-        module.zero_grad(set_to_none=True)
+        for module in engine.modules:
+            module.zero_grad(set_to_none=True)
     engine.loss_fn.records.clear()
     return 1e3 * statistics.mean(times)
 
@@ -84,7 +84,9 @@ def _rank_main(rank: int, args, port: int, schedule: str, m: int, queue) -> None
     layout = init_parallel(read_launch(), PP)
     try:
         model_config = build_config(PRESET)
-        synchronous = schedule in ("gpipe", "1f1b")
+        from hf_asyncpp.schedules import get_schedule_spec
+
+        synchronous = get_schedule_spec(schedule).synchronous
         total = args.warmup + args.steps + (0 if synchronous else 1)  # + the draining step
         config = TrainConfig(model_config=PRESET, pp_size=PP, schedule=schedule, n_microbatches=m,
                              micro_batch_size=MBS, seq_len=SEQ_LEN, optimizer="adamw", learning_rate=1e-3,
@@ -109,6 +111,7 @@ def _run_arm(args, schedule: str, m: int) -> dict:
     import torch.multiprocessing as mp
 
     from hf_asyncpp.metrics import theoretical_bubble
+    from hf_asyncpp.schedules import get_schedule_spec
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -133,7 +136,7 @@ def _run_arm(args, schedule: str, m: int) -> dict:
         bubble_free_ms=limit_ms,
         step_over_limit=1e3 * statistics.mean(step_s) / limit_ms,
         peak_rss_mb_per_rank=[r["peak_rss_mb"] for r in ranks],
-        theoretical_idle=theoretical_bubble(PP, m) if schedule in ("gpipe", "1f1b") else 0.0,
+        theoretical_idle=theoretical_bubble(PP, m) if get_schedule_spec(schedule).synchronous else 0.0,
         raw_step_s=step_s,
     )
 
@@ -160,7 +163,7 @@ def _print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedules", default="gpipe,1f1b,pipedream-2bw")
+    parser.add_argument("--schedules", default="gpipe,1f1b,pipedream-2bw,wpipe,pipedream")
     parser.add_argument("--microbatches", default="2,4,8")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per arm")
     parser.add_argument("--warmup", type=int, default=3, help="discarded steps per arm (the first: shape inference)")
@@ -177,8 +180,6 @@ def main(argv: list[str] | None = None) -> None:
             spec.check_microbatches(PP, m)
         except ValueError as err:
             parser.error(f"{schedule}, m={m}: {err}")
-        if spec.stages_per_rank != 1:
-            parser.error(f"{schedule}: only one-stage-per-rank schedules are compared here")
     start = time.perf_counter()
     results = [_run_arm(args, schedule, m) for schedule, m in arms]
     import torch

@@ -168,3 +168,11 @@ def test_wpipe_equals_the_emulator_with_one_stale_half(pp_size):
 @pytest.mark.multirank
 def test_wpipe_with_data_parallel_replicas_equals_the_emulator():
     _check(run_ranks(4, _worker, 2, ["tiny-mixtral"], ["adamw"], "wpipe"), "wpipe")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule", ["pipedream-2bw", "wpipe"])
+def test_one_rank_emulates_the_schedule_through_the_engine(schedule):
+    """pp_size 1: the engine runs the whole model and the emulator applies the schedule's delays per
+    (virtual) stage — WPipe's first half stale, second half fresh — as train.py does without a pipeline."""
+    _check(run_ranks(1, _worker, 1, ["tiny-qwen3-moe"], ["adamw"], schedule), schedule)

@@ -250,3 +250,40 @@ def test_multi_stage_schedules_build_their_order_from_mock_stages():
     for cls in (torch_schedules.ScheduleInterleaved1F1B, torch_schedules.ScheduleZBVZeroBubble):
         schedule = cls([mock_stage(2, 4), mock_stage(2, 4)], 4)
         assert sorted(schedule.pipeline_order) == [0, 1]
+
+
+# --- what the asynchronous runtime relies on --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, first_params",
+    [
+        ("get_fwd_send_ops", ["self", "fwd_chunk_id"]),
+        ("get_bwd_send_ops", ["self", "bwd_chunk_id"]),
+        ("get_fwd_recv_ops", ["self", "fwd_chunk_id"]),
+        ("get_bwd_recv_ops", ["self", "bwd_chunk_id"]),
+    ],
+)
+def test_pipeline_stage_p2p_op_builders(method, first_params):
+    """AsyncPipelineSchedule wraps these to tag every message and to issue sends itself."""
+    fn = getattr(PipelineStage, method, None)
+    assert callable(fn), method
+    assert list(inspect.signature(fn).parameters)[: len(first_params)] == first_params
+
+
+def test_p2p_op_accepts_a_tag_and_a_group_peer():
+    import torch.distributed as dist
+
+    params = inspect.signature(dist.P2POp.__init__).parameters
+    assert {"op", "tensor", "group", "tag", "group_peer"} <= set(params)
+
+
+def test_runtime_helpers_and_hooks_used_by_the_async_runtime():
+    for name in ("_batch_p2p", "_wait_batch_p2p"):
+        assert callable(getattr(torch_schedules, name, None)), name
+    params = list(inspect.signature(_PipelineScheduleRuntime._step_microbatches).parameters)
+    assert params[:6] == ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses", "return_outputs"]
+    for hook in ("_maybe_compute_loss", "_maybe_get_loss", "_compute_loss", "_initialize_stages"):
+        assert callable(getattr(_PipelineScheduleRuntime, hook, None)), hook
+    # step() sets the stages' has_backward before running; the async runtime does the same itself.
+    assert "stage.has_backward = self._has_backward" in inspect.getsource(torch_schedules.PipelineScheduleMulti.step)
