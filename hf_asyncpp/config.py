@@ -45,6 +45,7 @@ class TrainConfig:
     n_microbatches: int = 4
     stage_balance: str = "compute"  # compute / params / layers
     stage_boundaries: list[int] | None = None  # first layer of each stage after the first
+    emulate_pp_size: int = 0  # asynchronous schedule on one process: the depth it emulates (0: 1)
     # optimization
     optimizer: str = "adamw"
     learning_rate: float = 1e-3
@@ -184,16 +185,19 @@ def validate_config(config: TrainConfig, world_size: int):
     except (FileNotFoundError, UnsupportedModelError, ValueError, OSError) as err:
         raise ConfigError(str(err)) from None
 
+    _require(config.emulate_pp_size >= 0, f"emulate_pp_size must be >= 0, got {config.emulate_pp_size}")
+    emulating = spec.order is not None and config.pp_size == 1
+    depth = max(config.emulate_pp_size, 1) if emulating else config.pp_size
     _require(
-        not (spec.order is not None and spec.order.per_microbatch_updates and config.pp_size == 1),
-        f"schedule '{spec.name}' updates each stage after every microbatch with a staleness that depends on "
-        "the pipeline depth; it needs pp_size >= 2 (the one-device emulator covers pipedream-2bw)",
+        not (emulating and spec.order.per_microbatch_updates and depth < 2),
+        f"schedule '{spec.name}' makes stage s p-1-s updates stale, so on one process it needs the depth to "
+        "emulate: set emulate_pp_size >= 2 (or run it on a pipeline, pp_size >= 2)",
     )
-    n_stages = spec.n_stages(config.pp_size)
+    n_stages = spec.n_stages(depth)
     n_layers = model_config.num_hidden_layers
     _require(
         n_stages <= n_layers,
-        f"pp_size {config.pp_size} with schedule '{spec.name}' needs {n_stages} stages, "
+        f"pp_size {depth} with schedule '{spec.name}' needs {n_stages} stages, "
         f"but the model has only {n_layers} decoder layers",
     )
     _require(
@@ -202,7 +206,7 @@ def validate_config(config: TrainConfig, world_size: int):
         "to false in the model config (the first and last stage would each own a copy)",
     )
     try:
-        spec.check_microbatches(config.pp_size, config.n_microbatches)
+        spec.check_microbatches(depth, config.n_microbatches)
         plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
         check_dataset_source(config.dataset)
         check_tokenizer_source(config.tokenizer, model_config.vocab_size)

@@ -29,19 +29,22 @@ class EmulatedPipeline:
             for updater, stage in zip(updaters, stage_ids)
         ]
 
-    def _forward_backward(self, rows: torch.Tensor, loss_fn: Callable, scale: float) -> None:
+    def forward(self, rows: torch.Tensor):
+        """The last stage's output for `rows` (the stages run one after another)."""
         carried = (rows,)
         for module in self.modules:
             out = module(*carried)
             carried = out if isinstance(out, tuple) else (out,)
-        (loss_fn(carried if len(carried) > 1 else carried[0], rows) * scale).backward()
+        return carried if len(carried) > 1 else carried[0]
+
+    def _forward_backward(self, rows: torch.Tensor, loss_fn: Callable, scale: float) -> None:
+        (loss_fn(self.forward(rows), rows) * scale).backward()
 
     def run_step(self, rows: torch.Tensor, loss_fn: Callable, apply_update: Callable) -> dict[int, int]:
         """One minibatch: forward/backward on each stage's stale version, then every stage's update
         (`apply_update(updater, step=emulator.step)`), once or after each microbatch. Returns the
         weight-version age per stage."""
-        ages = {stage: e.version_age(next(iter(e.history), None)) if e.history else 0
-                for stage, e in zip(self.stage_ids, self.emulators)}
+        ages = {stage: emulator.version_age() for stage, emulator in zip(self.stage_ids, self.emulators)}
         units = [[mb] for mb in rows.chunk(self.m)] if self.order.per_microbatch_updates else [rows.chunk(self.m)]
         for unit in units:
             for emulator in self.emulators:

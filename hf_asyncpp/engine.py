@@ -9,8 +9,8 @@ divides gradients by n_microbatches), as in gradient accumulation.
 
 from __future__ import annotations
 
-import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .config import TrainConfig
+from .emulation import EmulatedPipeline
 from .metrics import ComputeTimer, ReducedStepStats
 from .models import build_stage_modules, load_balancing_loss, plan_stages
 from .optim import build_optimizer
-from .optim.delay import StalenessEmulator
 from .parallel.mesh import ParallelLayout
 from .schedules import build_schedule, get_schedule_spec
 from .schedules.async_runtime import AsyncPipelineSchedule
@@ -116,8 +116,8 @@ def build_full_model(config: TrainConfig, model_config) -> torch.nn.Module:
 class _Updater:
     """The optimizer and LR schedule of parameters that are updated together."""
 
-    def __init__(self, config: TrainConfig, params: list[torch.nn.Parameter], order):
-        self.params = params
+    def __init__(self, config: TrainConfig, stage: int, params: list[torch.nn.Parameter], order):
+        self.stage, self.params = stage, params  # stage: the (first) stage these parameters belong to
         self.optimizer = build_optimizer(
             config.optimizer, params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
         )
@@ -133,55 +133,52 @@ class PipelineEngine:
     def __init__(self, config: TrainConfig, model_config, layout: ParallelLayout, model: torch.nn.Module | None = None):
         self.config, self.layout = config, layout
         self.spec = get_schedule_spec(config.schedule)
-        n_stages = self.spec.n_stages(layout.pp_size)
+        order, m = self.spec.order, config.n_microbatches
+        # An asynchronous schedule on one rank is emulated: the stages it would have at depth
+        # emulate_pp_size run in this process (emulation.py). Otherwise this rank's stages of a pipeline.
+        emulating = order is not None and layout.pp_size == 1
+        depth = (config.emulate_pp_size or 1) if emulating else layout.pp_size
+        n_stages = self.spec.n_stages(depth)
         self.plan = plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
-        self.stage_ids = self.spec.stage_indices(layout.pp_size, layout.pp_rank)
+        self.stage_ids = list(range(n_stages)) if emulating else self.spec.stage_indices(layout.pp_size, layout.pp_rank)
         model = model if model is not None else build_full_model(config, model_config)
         self.modules = [m.to(layout.device) for m in build_stage_modules(model, self.plan, self.stage_ids)]
         del model  # parts of other stages are released with it
-        order, m = self.spec.order, config.n_microbatches
-        # An asynchronous schedule on a real pipeline binds microbatches to weight versions; on one
-        # rank (pp_size 1) the same update rule is emulated by the optimizer wrapper instead.
-        self.versioned = (
-            [VersionedStage(mod, order.n_buffers(s, layout.pp_size, m)) for mod, s in zip(self.modules, self.stage_ids)]
-            if order and n_stages > 1 else []
-        )
-        submods = self.versioned or self.modules
-        self.stages = [
-            PipelineStage(submod, s, n_stages, layout.device, group=layout.pp_group)
-            for submod, s in zip(submods, self.stage_ids)
-        ]
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids
         self.loss_fn = PipelineLoss(model_config.vocab_size, getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
+        self.params = [p for module in self.modules for p in module.parameters()]
+        # What steps together: each stage on its own for asynchronous schedules (stages update at
+        # different times and clip by their own norm), all local stages at once for synchronous ones.
+        groups = [[i] for i in range(len(self.modules))] if order else [list(range(len(self.modules)))]
+        self.updaters = [
+            _Updater(config, self.stage_ids[g[0]], [p for i in g for p in self.modules[i].parameters()], order)
+            for g in groups
+        ]
+        # Asynchronous pipeline: microbatches bound to stashed weight versions (weight_versions.py).
+        self.versioned = (
+            [VersionedStage(mod, order.n_buffers(s, depth, m)) for mod, s in zip(self.modules, self.stage_ids)]
+            if order and not emulating else []
+        )
+        self.stages = [] if emulating else [
+            PipelineStage(submod, s, n_stages, layout.device, group=layout.pp_group)
+            for submod, s in zip(self.versioned or self.modules, self.stage_ids)
+        ]
         self.timer = ComputeTimer(self.stages)
         timed_loss = self.timer.timed(self.loss_fn)
-        if self.versioned:
+        self.emulated = EmulatedPipeline(self.modules, self.stage_ids, order, depth, m, self.updaters) if emulating else None
+        if emulating:
+            self.schedule = None
+        elif self.versioned:
             self.schedule = AsyncPipelineSchedule(
                 self.stages, m, timed_loss, order, config.max_steps, update_stage=self._update_stage
             )
-        else:  # emulating an asynchronous order runs its stages through a flushed schedule of the same shape
-            sync_spec = get_schedule_spec("gpipe" if self.spec.stages_per_rank == 1 else "interleaved-1f1b") \
-                if order else self.spec
-            self.schedule = build_schedule(sync_spec, self.stages, m, timed_loss)
-        self.params = [p for module in self.modules for p in module.parameters()]
-        # What steps together: each local stage on its own under an asynchronous pipeline (stages of
-        # one rank update at different times), all local stages at once otherwise.
-        self.updaters = [
-            _Updater(config, [p for mod in group for p in mod.parameters()], order)
-            for group in ([[mod] for mod in self.modules] if self.versioned else [self.modules])
-        ]
-        self.emulator = (
-            StalenessEmulator(
-                self.updaters[0].optimizer,
-                {p: order.delay(s, layout.pp_size, m) for mod, s in zip(self.modules, self.stage_ids) for p in mod.parameters()},
-            )
-            if order and not self.versioned else None
-        )
+        else:
+            self.schedule = build_schedule(self.spec, self.stages, m, timed_loss)
         self._routing_load_counters = [m.routing_load for m in self.modules if m.routing_load is not None]
         self._unfinished: list[ReducedStepStats] = []
-        # This step's updates: squared gradient norm of each, and per local stage the largest version age.
-        self._step_sq_norms: list[float] = []
+        # This step's updates: per stage, the squared gradient norm of each and the largest version age.
+        self._step_sq_norms: dict[int, list[float]] = {}
         self._step_ages: dict[int, int] = {}
         self.step_count = 0
 
@@ -194,13 +191,14 @@ class PipelineEngine:
         target = rows if self.holds_last_stage else None
         self.schedule.step(*args, target=target, return_outputs=False)  # logits are not kept
 
-    def _apply_update(self, updater: "_Updater") -> float:
-        """Average gradients over dp, clip, step the optimizer (through the emulator when emulating)
+    def _apply_update(self, updater: "_Updater", step: Callable[[], None] | None = None) -> float:
+        """Average gradients over dp, clip, step the optimizer (`step`: the emulator's, when emulating)
         and the LR schedule. Returns this rank's squared gradient norm before clipping."""
         self._average_gradients_over_dp(updater.params)
         grad_sq_norm = self._clip_gradients(updater.params)
-        (self.emulator or updater.optimizer).step()
+        (step or updater.optimizer.step)()
         updater.lr_scheduler.step()
+        self._step_sq_norms.setdefault(updater.stage, []).append(grad_sq_norm)
         return grad_sq_norm
 
     def _update_stage(self, stage: int, version: int, grad_scale: float) -> None:
@@ -211,7 +209,7 @@ class PipelineEngine:
         order, pp_size, m = self.spec.order, self.layout.pp_size, self.config.n_microbatches
         versioned.move_gradients_to_master(order.buffer(stage, pp_size, version, m), grad_scale)
         self._step_ages[stage] = max(self._step_ages.get(stage, 0), versioned.master_version - version)
-        self._step_sq_norms.append(self._apply_update(updater))
+        self._apply_update(updater)
         versioned.publish_master(order.buffer(stage, pp_size, versioned.master_version + 1, m))
 
     def _average_gradients_over_dp(self, params: list[torch.nn.Parameter]) -> None:
@@ -246,31 +244,32 @@ class PipelineEngine:
         into the next minibatch: pass its rows as `next_rows` (None on the last step, which drains)."""
         start = time.perf_counter()
         self.timer.take()  # drop compute time of anything run since the last step (e.g. evaluation)
+        self._step_sq_norms, self._step_ages = {}, {}
         for updater in self.updaters:
             updater.optimizer.zero_grad(set_to_none=True)
         for counter in self._routing_load_counters:
             counter.reset()
         lr = self.updaters[0].optimizer.param_groups[0]["lr"]
-        self._step_sq_norms, self._step_ages = [], {}
         # Weight-version age: updates between the weights a gradient was taken at and those it updates.
-        if self.versioned:
-            device = self.layout.device
+        rows = rows.to(self.layout.device)
+        if self.emulated:  # one process, no pipeline: all of the step is compute
+            self._step_ages = self.emulated.run_step(rows, self.loss_fn, self._apply_update)
+            busy = time.perf_counter() - start
+        elif self.versioned:
             # Stages update inside the segment, when their update is due (see _update_stage).
-            self.schedule.run_step(rows.to(device), None if next_rows is None else next_rows.to(device))
+            self.schedule.run_step(rows, None if next_rows is None else next_rows.to(self.layout.device))
             busy = self.timer.take()
         else:
-            age = max((self.emulator.version_age(p) for p in self.params), default=0) if self.emulator else 0
-            with self.emulator.stale_weights() if self.emulator else contextlib.nullcontext():
-                self.run_microbatches(rows)
+            self.run_microbatches(rows)
             busy = self.timer.take()
-            self._step_sq_norms = [self._apply_update(self.updaters[0])]
-            self._step_ages = dict.fromkeys(self.stage_ids, age)
+            self._apply_update(self.updaters[0])
+            self._step_ages = dict.fromkeys(self.stage_ids, 0)
         for counter in self._routing_load_counters:
             counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
         self.step_count += 1
         step_time = time.perf_counter() - start
-        # With per-microbatch updates a step holds m of them: report their mean squared norm.
-        grad_sq_norm = sum(self._step_sq_norms) / len(self._step_sq_norms) if self._step_sq_norms else 0.0
+        # Per stage the mean over its updates in this step (m of them with per-microbatch updates).
+        grad_sq_norm = sum(sum(norms) / len(norms) for norms in self._step_sq_norms.values())
         reduced = ReducedStepStats(
             self.loss_fn.take(self.config.n_microbatches),
             grad_sq_norm if self.layout.dp_rank == 0 else None,
@@ -295,6 +294,8 @@ class PipelineEngine:
     def eval_step(self, rows: torch.Tensor) -> tuple[float, float, torch.Tensor | None]:
         """(LM loss, aux loss) of a minibatch without updating anything, and the logits on the rank
         that holds the last stage (None elsewhere)."""
+        if self.emulated:
+            return self._eval_emulated(rows.to(self.layout.device))
         if self.versioned:
             raise NotImplementedError(
                 "evaluation on an asynchronous pipeline needs its in-flight microbatches drained; "
@@ -312,6 +313,21 @@ class PipelineEngine:
         reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout, {},
                                    len(self.plan))
         logits = output[0] if isinstance(output, tuple) else output
+        return reduced.value("loss"), reduced.value("aux_loss"), logits
+
+    def _eval_emulated(self, rows: torch.Tensor):
+        for module in self.modules:
+            module.eval()
+        try:
+            outputs = [self.emulated.forward(mb) for mb in rows.chunk(self.config.n_microbatches)]
+            for output, mb in zip(outputs, rows.chunk(self.config.n_microbatches)):
+                self.loss_fn(output, mb)
+        finally:
+            for module in self.modules:
+                module.train()
+        reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout, {},
+                                   len(self.plan))
+        logits = torch.cat([o[0] if isinstance(o, tuple) else o for o in outputs])
         return reduced.value("loss"), reduced.value("aux_loss"), logits
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:

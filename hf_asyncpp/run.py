@@ -122,7 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         launch = read_launch()
         if not launch.launched and config.pp_size > 1:
-            print(f"[hf_asyncpp] one process (no launcher): pp_size {config.pp_size} → 1")
+            from .schedules import SCHEDULES
+
+            spec = SCHEDULES.get(config.schedule)
+            if spec is not None and not spec.synchronous and not config.emulate_pp_size:
+                config.emulate_pp_size = config.pp_size
+                print(f"[hf_asyncpp] one process (no launcher): emulating {config.schedule} at depth {config.pp_size}")
+            else:
+                print(f"[hf_asyncpp] one process (no launcher): pp_size {config.pp_size} → 1")
             config.pp_size = 1
         model_config = validate_config(config, launch.world_size)
     except (ConfigError, LaunchError) as err:

@@ -52,7 +52,7 @@ BAD_INPUTS = {
     "missing dataset": (["--dataset", "/nonexistent/corpus/*.txt"], 2, "dataset '/nonexistent/corpus/\\*.txt' matches no files"),
     "unknown preset": (["--model_config", "tiny-nothing"], 2, "neither a preset"),
     "bad boundaries": (["--stage_boundaries", "3,1"], 2, "stage_boundaries must be 1 increasing"),
-    "pipedream on one rank": (["--schedule", "pipedream", "--pp_size", "1"], 1, "needs pp_size >= 2"),
+    "pipedream on one rank": (["--schedule", "pipedream", "--pp_size", "1"], 1, "set emulate_pp_size >= 2"),
     "missing init_from": (["--init_from", "/nonexistent/model"], 2, "init_from '/nonexistent/model' is not a model directory"),
 }
 

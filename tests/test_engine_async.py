@@ -75,7 +75,7 @@ def emulate(model, config, rows_per_step, dp_size, aux_coef, delays, per_microba
     return losses
 
 
-def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-2bw"):
+def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-2bw", emulate_depth=0):
     import copy
 
     from hf_asyncpp.config import TrainConfig
@@ -92,7 +92,7 @@ def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-
                 config = TrainConfig(model_config=preset, pp_size=pp_size, schedule=schedule,
                                      optimizer=optimizer, max_grad_norm=0.0, lr_scheduler_type="constant",
                                      seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS,
-                                     **OPTIMIZERS[optimizer])
+                                     emulate_pp_size=emulate_depth, **OPTIMIZERS[optimizer])
                 full = build_full_model(config, model_config)
                 reference = copy.deepcopy(full)
                 rows = _rows(model_config.vocab_size, layout.dp_size)
@@ -101,7 +101,7 @@ def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-
                 results = [engine.train_step(mine[k], mine[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
                 losses = [r.loss for r in results]
                 engine.finish()
-                delays = stage_delays(reference, model_config, pp_size, schedule)
+                delays = stage_delays(reference, model_config, emulate_depth or pp_size, schedule)
                 expected = emulate(reference, config, rows, layout.dp_size, model_config.router_aux_loss_coef, delays,
                                    per_microbatch=engine.spec.order.per_microbatch_updates)
                 state = engine.stage_state_dict()
@@ -171,8 +171,52 @@ def test_wpipe_with_data_parallel_replicas_equals_the_emulator():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("schedule", ["pipedream-2bw", "wpipe"])
-def test_one_rank_emulates_the_schedule_through_the_engine(schedule):
-    """pp_size 1: the engine runs the whole model and the emulator applies the schedule's delays per
-    (virtual) stage — WPipe's first half stale, second half fresh — as train.py does without a pipeline."""
-    _check(run_ranks(1, _worker, 1, ["tiny-qwen3-moe"], ["adamw"], schedule), schedule)
+@pytest.mark.parametrize("schedule, depth", [("pipedream-2bw", 1), ("pipedream-2bw", 4), ("wpipe", 2), ("pipedream", 4)])
+def test_one_process_emulates_the_schedule_at_a_depth(schedule, depth):
+    """pp_size 1: the engine runs the stages the schedule would have at `depth` in one process, each
+    with its own delay (WPipe's first half stale, PipeDream's stage s p−1−s updates stale), as
+    train.py does without a launcher."""
+    _check(run_ranks(1, _worker, 1, ["tiny-qwen3-moe"], ["adamw"], schedule, depth), schedule)
+
+
+def _final_state(rank, world_size, pp_size, schedule, emulate_depth):
+    import torch
+
+    from hf_asyncpp.checkpoint import gather_full_state_dict
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), pp_size)
+    try:
+        model_config = small_model_config("tiny-mixtral")
+        config = TrainConfig(model_config="tiny-mixtral", pp_size=pp_size, schedule=schedule, optimizer="adamw",
+                             learning_rate=3e-3, max_grad_norm=0.05, lr_scheduler_type="linear", warmup_steps=2,
+                             seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS,
+                             emulate_pp_size=emulate_depth)
+        engine = PipelineEngine(config, model_config, layout)
+        rows = _rows(model_config.vocab_size, 1)
+        losses = [engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
+        losses = [r.loss for r in losses]
+        engine.finish()
+        state = gather_full_state_dict(engine.stage_state_dict(), layout)
+        return None if state is None else ({k: v.tolist() for k, v in state.items()}, losses)
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule", ["pipedream-2bw", "wpipe", "pipedream"])
+def test_the_emulated_run_equals_the_pipeline_run_with_per_stage_clipping_and_lr_warmup(schedule):
+    """The same config on 2 ranks and emulated on one process at depth 2: same weights, same losses,
+    with clipping by each stage's norm (max_grad_norm small enough to clip every step) and a warm-up."""
+    import torch
+
+    pipeline_state, pipeline_losses = next(r for r in run_ranks(2, _final_state, 2, schedule, 0) if r)
+    emulated_state, emulated_losses = run_ranks(1, _final_state, 1, schedule, 2)[0]
+    assert pipeline_losses == pytest.approx(emulated_losses, abs=TOL)
+    assert pipeline_state.keys() == emulated_state.keys()
+    for name in pipeline_state:
+        diff = (torch.tensor(pipeline_state[name]) - torch.tensor(emulated_state[name])).abs().max().item()
+        assert diff < TOL, (name, diff)

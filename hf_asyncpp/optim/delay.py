@@ -43,8 +43,11 @@ class StalenessEmulator:
         }
         self.units = 0
 
-    def version_age(self, param: torch.nn.Parameter) -> int:
-        """How many updates behind the current weights this unit's gradient of `param` is taken."""
+    def version_age(self, param: torch.nn.Parameter | None = None) -> int:
+        """How many updates behind the current weights this unit's gradient of `param` (default: of
+        the most delayed parameter) is taken."""
+        if param is None:
+            return min(max(self.delays.values(), default=0), self.units)
         return min(self.delays.get(param, 0), self.units)
 
     @contextlib.contextmanager
