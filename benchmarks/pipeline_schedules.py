@@ -32,7 +32,6 @@ import argparse
 import json
 import platform
 import resource
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -69,12 +68,8 @@ def _bubble_free_ms(engine, rows, repeats: int) -> float:
     return 1e3 * statistics.mean(times)
 
 
-def _rank_main(rank: int, args, port: int, schedule: str, m: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(PP), LOCAL_RANK=str(rank))
+def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
     import torch
-
-    torch.set_num_threads(1)
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.models.presets import build_config
@@ -101,28 +96,18 @@ def _rank_main(rank: int, args, port: int, schedule: str, m: int, queue) -> None
                 samples.append((result.busy_s, result.step_time_s, result.tokens))
         engine.finish()
         limit_ms = _bubble_free_ms(engine, rows[0], args.steps)
-        queue.put((rank, dict(samples=samples, bubble_free_ms=limit_ms,
-                              peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+        return dict(samples=samples, bubble_free_ms=limit_ms,
+                    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     finally:
         shutdown_parallel()
 
 
 def _run_arm(args, schedule: str, m: int) -> dict:
-    import torch.multiprocessing as mp
-
     from hf_asyncpp.metrics import theoretical_bubble
+    from hf_asyncpp.parallel.spawn import run_ranks
     from hf_asyncpp.schedules import get_schedule_spec
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, args, port, schedule, m, queue)) for r in range(PP)]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
-    ranks = [per_rank[r] for r in range(PP)]
+    ranks = run_ranks(PP, _rank_main, args, schedule, m, timeout_s=900)  # fresh processes per arm
     step_s = [max(ranks[r]["samples"][k][1] for r in range(PP)) for k in range(args.steps)]
     tokens = ranks[0]["samples"][0][2]
     limit_ms = max(r["bubble_free_ms"] for r in ranks)
@@ -139,12 +124,6 @@ def _run_arm(args, schedule: str, m: int) -> dict:
         theoretical_idle=theoretical_bubble(PP, m) if get_schedule_spec(schedule).synchronous else 0.0,
         raw_step_s=step_s,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _print_table(results: list[dict]) -> None:

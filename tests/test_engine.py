@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc import run_ranks
+from hf_asyncpp.parallel.spawn import run_ranks
 
 TOL = 1e-5
 FAMILIES = [

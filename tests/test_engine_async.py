@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc import run_ranks
+from hf_asyncpp.parallel.spawn import run_ranks
 from tests.test_engine import small_model_config
 
 TOL = 1e-5

@@ -41,6 +41,16 @@ def _overrides(tmp_path, out):
             "--max_steps", str(STEPS), "--logging_steps", "1", "--seed", "7", "--output_dir", str(out)]
 
 
+def _microbatch_losses(model, config, rows, k):
+    """Gradient accumulation over minibatch k's microbatches (loss / m); returns its mean LM loss."""
+    lm = 0.0
+    for mb in rows[k * MBS * M:(k + 1) * MBS * M].chunk(M):
+        out = model(input_ids=mb, labels=mb)
+        (out.loss / M).backward()
+        lm += (out.loss - config.router_aux_loss_coef * out.aux_loss).item() / M
+    return lm
+
+
 def _reference(config, rows):
     from transformers import AutoModelForCausalLM, get_scheduler
 
@@ -51,11 +61,7 @@ def _reference(config, rows):
     losses = []
     for k in range(STEPS):
         opt.zero_grad()
-        lm = 0.0
-        for mb in rows[k * MBS * M:(k + 1) * MBS * M].chunk(M):
-            out = model(input_ids=mb, labels=mb)
-            (out.loss / M).backward()
-            lm += (out.loss - config.router_aux_loss_coef * out.aux_loss).item() / M
+        lm = _microbatch_losses(model, config, rows, k)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         sched.step()
@@ -145,11 +151,7 @@ def _reference_2bw(config, rows):
     for k in range(STEPS):
         stale.load_state_dict(previous)
         stale.zero_grad()
-        lm = 0.0
-        for mb in rows[k * MBS * M:(k + 1) * MBS * M].chunk(M):
-            out = stale(input_ids=mb, labels=mb)
-            (out.loss / M).backward()
-            lm += (out.loss - config.router_aux_loss_coef * out.aux_loss).item() / M
+        lm = _microbatch_losses(stale, config, rows, k)
         previous = copy.deepcopy(current.state_dict())
         for p, q in zip(current.parameters(), stale.parameters()):
             p.grad = q.grad.clone()

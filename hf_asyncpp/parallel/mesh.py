@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .launch import LaunchInfo
 
-__all__ = ["ParallelLayout", "init_parallel", "shutdown_parallel"]
+__all__ = ["ParallelLayout", "free_port", "init_parallel", "shutdown_parallel"]
 
 
 @dataclass
@@ -45,7 +45,8 @@ class ParallelLayout:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,7 +55,7 @@ def _free_port() -> int:
 def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) -> ParallelLayout:
     if not launch.launched:  # plain `python train.py`: a one-rank group keeps one code path
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     if torch.cuda.is_available():

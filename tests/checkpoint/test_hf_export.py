@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.multiproc import run_ranks
+from hf_asyncpp.parallel.spawn import run_ranks
 
 PROBE_SEED = 5
 

@@ -1,28 +1,24 @@
-"""Run a function on N real gloo ranks (spawned processes) and collect what each returns."""
+"""Run a function on N real ranks of this machine (spawned processes, gloo on CPU) and collect what
+each returns: the tests' and benchmarks' way to start a small distributed job without a launcher."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 
+from .mesh import free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+__all__ = ["run_ranks"]
 
 def _worker(rank: int, world_size: int, port: int, queue, target, args):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-    )
+    # The rest of the environment (HF_HUB_OFFLINE, …) is inherited from the parent.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
     try:
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # several ranks share the machine's cores
         queue.put((rank, "ok", target(rank, world_size, *args)))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -32,7 +28,7 @@ def run_ranks(world_size: int, target, *args, timeout_s: float = 600.0) -> list:
     """target(rank, world_size, *args) on each rank; returns results ordered by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, queue, target, args)) for r in range(world_size)]
     for p in procs:
         p.start()
