@@ -1,5 +1,5 @@
-"""hf_asyncpp: pipeline-parallel (and, next, asynchronous pipeline-parallel) pretraining of Hugging
-Face Mixture-of-Experts causal LMs on torch.distributed.pipelining."""
+"""hf_asyncpp: synchronous and asynchronous pipeline-parallel pretraining of Hugging Face
+Mixture-of-Experts causal LMs on torch.distributed.pipelining."""
 
 from .checkpoint import export_hf_model, gather_full_state_dict
 from .config import ConfigError, TrainConfig, load_config, validate_config
@@ -14,7 +14,9 @@ from .models import (
     build_stage_modules,
     plan_stages,
 )
+from .optim.delay import StalenessEmulator
 from .schedules import SCHEDULES, ScheduleSpec, check_schedule, get_schedule_spec, register_schedule
+from .schedules.async_order import AsyncOrder
 
 __version__ = "0.1.0"
 
@@ -22,12 +24,14 @@ __all__ = [
     "FAMILIES",
     "PRESETS",
     "SCHEDULES",
+    "AsyncOrder",
     "ConfigError",
     "PipelineEngine",
     "PipelineLoss",
     "PipelineStageModule",
     "ScheduleSpec",
     "StagePlan",
+    "StalenessEmulator",
     "StepResult",
     "TrainConfig",
     "UnsupportedModelError",

@@ -3,8 +3,8 @@
 import hf_asyncpp
 
 PUBLIC = {
-    "FAMILIES", "PRESETS", "SCHEDULES", "ConfigError", "PipelineEngine", "PipelineLoss", "PipelineStageModule",
-    "ScheduleSpec", "StagePlan", "StepResult", "TrainConfig", "UnsupportedModelError", "__version__",
+    "FAMILIES", "PRESETS", "SCHEDULES", "AsyncOrder", "ConfigError", "PipelineEngine", "PipelineLoss", "PipelineStageModule",
+    "ScheduleSpec", "StagePlan", "StalenessEmulator", "StepResult", "TrainConfig", "UnsupportedModelError", "__version__",
     "build_config", "build_full_model", "build_stage_modules", "check_schedule", "export_hf_model",
     "gather_full_state_dict", "get_schedule_spec", "load_config", "plan_stages", "register_schedule",
     "validate_config",
@@ -20,4 +20,4 @@ def test_all_is_pinned_and_importable():
 def test_every_family_has_a_preset_and_every_schedule_is_registered():
     families = {hf_asyncpp.build_config(p).model_type for p in hf_asyncpp.PRESETS}
     assert families == set(hf_asyncpp.FAMILIES)
-    assert set(hf_asyncpp.SCHEDULES) >= {"gpipe", "1f1b", "interleaved-1f1b", "zbv"}
+    assert set(hf_asyncpp.SCHEDULES) >= {"gpipe", "1f1b", "interleaved-1f1b", "zbv", "pipedream-2bw", "wpipe", "pipedream"}
