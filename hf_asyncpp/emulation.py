@@ -25,7 +25,7 @@ class EmulatedPipeline:
         self.modules, self.stage_ids, self.order, self.m = modules, stage_ids, order, n_microbatches
         self.updaters = updaters
         self.emulators = [
-            StalenessEmulator(updater.optimizer, dict.fromkeys(updater.params, order.delay(stage, depth, n_microbatches)))
+            StalenessEmulator(updater.stepper, dict.fromkeys(updater.params, order.delay(stage, depth, n_microbatches)))
             for updater, stage in zip(updaters, stage_ids)
         ]
 

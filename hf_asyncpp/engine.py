@@ -24,6 +24,7 @@ from .emulation import EmulatedPipeline
 from .metrics import ComputeTimer, ReducedStepStats
 from .models import build_stage_modules, load_balancing_loss, plan_stages
 from .optim import build_optimizer
+from .optim.error_feedback import ErrorFeedback
 from .parallel.mesh import ParallelLayout
 from .schedules import build_schedule, get_schedule_spec
 from .schedules.async_runtime import AsyncPipelineSchedule
@@ -121,6 +122,8 @@ class _Updater:
         self.optimizer = build_optimizer(
             config.optimizer, params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
         )
+        # What applies an update: the optimizer, or Error Feedback around it.
+        self.stepper = ErrorFeedback(self.optimizer, config.ef_lambda) if config.ef else self.optimizer
         # The LR schedule advances once per update: m times a step when stages update per microbatch.
         per_step = config.n_microbatches if order is not None and order.per_microbatch_updates else 1
         self.lr_scheduler = get_scheduler(
@@ -196,7 +199,7 @@ class PipelineEngine:
         and the LR schedule. Returns this rank's squared gradient norm before clipping."""
         self._average_gradients_over_dp(updater.params)
         grad_sq_norm = self._clip_gradients(updater.params)
-        (step or updater.optimizer.step)()
+        (step or updater.stepper.step)()
         updater.lr_scheduler.step()
         self._step_sq_norms.setdefault(updater.stage, []).append(grad_sq_norm)
         return grad_sq_norm

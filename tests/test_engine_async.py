@@ -55,9 +55,11 @@ def emulate(model, config, rows_per_step, dp_size, aux_coef, delays, per_microba
     from hf_asyncpp.optim import build_optimizer
     from hf_asyncpp.optim.delay import StalenessEmulator
 
+    from hf_asyncpp.optim.error_feedback import ErrorFeedback
+
     opt = build_optimizer(config.optimizer, model.parameters(), config.learning_rate, config.momentum,
                           config.beta2, config.weight_decay)
-    emulator = StalenessEmulator(opt, delays)
+    emulator = StalenessEmulator(ErrorFeedback(opt, config.ef_lambda) if config.ef else opt, delays)
     losses = []
     for rows in rows_per_step:
         replicas = [replica.chunk(M) for replica in rows.chunk(dp_size)]
@@ -75,7 +77,7 @@ def emulate(model, config, rows_per_step, dp_size, aux_coef, delays, per_microba
     return losses
 
 
-def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-2bw", emulate_depth=0):
+def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-2bw", emulate_depth=0, ef=False):
     import copy
 
     from hf_asyncpp.config import TrainConfig
@@ -92,7 +94,7 @@ def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-
                 config = TrainConfig(model_config=preset, pp_size=pp_size, schedule=schedule,
                                      optimizer=optimizer, max_grad_norm=0.0, lr_scheduler_type="constant",
                                      seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS,
-                                     emulate_pp_size=emulate_depth, **OPTIMIZERS[optimizer])
+                                     emulate_pp_size=emulate_depth, ef=ef, **OPTIMIZERS[optimizer])
                 full = build_full_model(config, model_config)
                 reference = copy.deepcopy(full)
                 rows = _rows(model_config.vocab_size, layout.dp_size)
@@ -220,3 +222,10 @@ def test_the_emulated_run_equals_the_pipeline_run_with_per_stage_clipping_and_lr
     for name in pipeline_state:
         diff = (torch.tensor(pipeline_state[name]) - torch.tensor(emulated_state[name])).abs().max().item()
         assert diff < TOL, (name, diff)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pipedream_2bw_with_error_feedback_equals_the_emulator(world_size):
+    """Error Feedback (λ = 1) around AdamW and SGD on the 2BW pipeline (pp 2, and pp 2 × dp 2)."""
+    _check(run_ranks(world_size, _worker, 2, ["tiny-qwen3-moe"], ["adamw", "sgd"], "pipedream-2bw", 0, True))

@@ -1,0 +1,63 @@
+"""Error Feedback for delayed updates: an optimizer-agnostic correction of stale steps.
+
+With u_t the update the base optimizer makes at step t (learning rate and weight decay included,
+x_t − x_t') and u_{t−1} the previous one (0 at first), the weights move by
+
+    u_t + λ (u_t − u_{t−1})
+
+instead of u_t. With λ = 1 under a one-step delay the stored weights become a linear extrapolation
+of the un-delayed trajectory, x_{t+1} = x_t − 2u_{t−1} + u_{t−2} (DESIGN.md, "Update semantics").
+One extra update-sized buffer per parameter, created like the parameter (`zeros_like`), so under
+FSDP2 it is a DTensor sharded exactly like it; it is part of `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Wraps any torch optimizer; `step()` applies the base update plus λ × its change."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, ef_lambda: float = 1.0):
+        self.optimizer, self.ef_lambda = optimizer, ef_lambda
+        self.previous_update: dict[torch.Tensor, torch.Tensor] = {}
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        params = self._params()
+        before = [p.detach().clone() for p in params]
+        self.optimizer.step()
+        for p, old in zip(params, before):
+            update = old.sub_(p)  # u_t = x_t − x_t', in place of the copy
+            previous = self.previous_update.get(p)
+            if previous is None:
+                previous = self.previous_update[p] = torch.zeros_like(p)
+            p.sub_(update - previous, alpha=self.ef_lambda)
+            previous.copy_(update)
+
+    def state_dict(self) -> dict:
+        params = self._params()
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "ef_lambda": self.ef_lambda,
+            "previous_update": {i: self.previous_update[p] for i, p in enumerate(params) if p in self.previous_update},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.ef_lambda = state["ef_lambda"]
+        params = self._params()
+        self.previous_update = {params[i]: t.clone() for i, t in state["previous_update"].items()}
