@@ -52,6 +52,8 @@ class TrainConfig:
     momentum: float = 0.9  # SGD momentum; beta1 of Adam-type optimizers
     beta2: float = 0.95
     weight_decay: float = 0.0
+    muon_lr_scale: str = "original"  # Muon's LR scale by matrix shape: original / match_rms_adamw
+    muon_nesterov: bool = True
     ef: bool = False  # Error Feedback: apply u + ef_lambda·(u − u_prev) instead of the update u
     ef_lambda: float = 1.0
     max_grad_norm: float = 1.0  # 0 disables clipping
@@ -156,6 +158,8 @@ def validate_config(config: TrainConfig, world_size: int):
     _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")
     _require(config.router_bias_update_rate >= 0,
              f"router_bias_update_rate must be >= 0, got {config.router_bias_update_rate}")
+    _require(config.muon_lr_scale in ("original", "match_rms_adamw"),
+             f"unknown muon_lr_scale '{config.muon_lr_scale}'; choose original or match_rms_adamw")
     _require(config.ef_lambda >= 0, f"ef_lambda must be >= 0, got {config.ef_lambda}")
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
     _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")

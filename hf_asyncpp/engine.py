@@ -117,10 +117,12 @@ def build_full_model(config: TrainConfig, model_config) -> torch.nn.Module:
 class _Updater:
     """The optimizer and LR schedule of parameters that are updated together."""
 
-    def __init__(self, config: TrainConfig, stage: int, params: list[torch.nn.Parameter], order):
-        self.stage, self.params = stage, params  # stage: the (first) stage these parameters belong to
+    def __init__(self, config: TrainConfig, stage: int, named_params: list, order):
+        self.stage = stage  # the (first) stage these parameters belong to
+        self.params = [p for _, p in named_params]
         self.optimizer = build_optimizer(
-            config.optimizer, params, config.learning_rate, config.momentum, config.beta2, config.weight_decay
+            config.optimizer, named_params, config.learning_rate, config.momentum, config.beta2, config.weight_decay,
+            config.muon_lr_scale, config.muon_nesterov,
         )
         # What applies an update: the optimizer, or Error Feedback around it.
         self.stepper = ErrorFeedback(self.optimizer, config.ef_lambda) if config.ef else self.optimizer
@@ -155,7 +157,7 @@ class PipelineEngine:
         # different times and clip by their own norm), all local stages at once for synchronous ones.
         groups = [[i] for i in range(len(self.modules))] if order else [list(range(len(self.modules)))]
         self.updaters = [
-            _Updater(config, self.stage_ids[g[0]], [p for i in g for p in self.modules[i].parameters()], order)
+            _Updater(config, self.stage_ids[g[0]], [np for i in g for np in self.modules[i].named_parameters()], order)
             for g in groups
         ]
         # Asynchronous pipeline: microbatches bound to stashed weight versions (weight_versions.py).

@@ -18,7 +18,8 @@ from tests.test_engine import small_model_config
 
 TOL = 1e-5
 SEQ, MBS, M, STEPS = 16, 2, 4, 6
-OPTIMIZERS = {"sgd": dict(learning_rate=0.5, momentum=0.9), "adamw": dict(learning_rate=3e-3, momentum=0.9)}
+OPTIMIZERS = {"sgd": dict(learning_rate=0.5, momentum=0.9), "adamw": dict(learning_rate=3e-3, momentum=0.9),
+              "muon": dict(learning_rate=2e-2, momentum=0.95)}
 
 
 def _rows(vocab_size, dp_size):
@@ -51,27 +52,38 @@ def emulate(model, config, rows_per_step, dp_size, aux_coef, delays, per_microba
     """One process: HF model, torch optimizer, the emulator; returns per-step LM losses.
 
     Per-minibatch updates accumulate the m microbatches (loss / m); per-microbatch updates take one
-    step per microbatch. dp replicas average their gradients in both."""
+    step per microbatch. dp replicas each accumulate their own gradient, which are then summed and
+    divided by dp as the all-reduce does (the same arithmetic, so even Muon's bf16 Newton–Schulz,
+    which amplifies rounding differences, sees identical inputs)."""
     from hf_asyncpp.optim import build_optimizer
     from hf_asyncpp.optim.delay import StalenessEmulator
 
     from hf_asyncpp.optim.error_feedback import ErrorFeedback
 
-    opt = build_optimizer(config.optimizer, model.parameters(), config.learning_rate, config.momentum,
-                          config.beta2, config.weight_decay)
+    opt = build_optimizer(config.optimizer, model.named_parameters(), config.learning_rate, config.momentum,
+                          config.beta2, config.weight_decay, config.muon_lr_scale, config.muon_nesterov)
     emulator = StalenessEmulator(ErrorFeedback(opt, config.ef_lambda) if config.ef else opt, delays)
+    params = list(model.parameters())
     losses = []
     for rows in rows_per_step:
         replicas = [replica.chunk(M) for replica in rows.chunk(dp_size)]
-        units = [[r[i] for r in replicas] for i in range(M)] if per_microbatch else [[mb for r in replicas for mb in r]]
+        units = [[(r[i],) for r in replicas] for i in range(M)] if per_microbatch else [list(replicas)]
         lm = 0.0
-        for unit in units:
-            emulator.zero_grad()
+        for unit in units:  # one update: each dp replica accumulates its microbatches, then they average
+            replica_grads = []
             with emulator.stale_weights():
-                for mb in unit:
-                    out = model(input_ids=mb, labels=mb)
-                    (out.loss / len(unit)).backward()
-                    lm += (out.loss - aux_coef * out.aux_loss).item() / (M * dp_size)
+                for microbatches in unit:
+                    emulator.zero_grad()
+                    for mb in microbatches:
+                        out = model(input_ids=mb, labels=mb)
+                        (out.loss / len(microbatches)).backward()
+                        lm += (out.loss - aux_coef * out.aux_loss).item() / (M * dp_size)
+                    replica_grads.append([p.grad.clone() for p in params])
+            for p, *grads in zip(params, *replica_grads):
+                total = grads[0]
+                for g in grads[1:]:
+                    total = total + g
+                p.grad = total / dp_size  # as the dp all-reduce: sum, then divide
             emulator.step()
         losses.append(lm)
     return losses
@@ -229,3 +241,9 @@ def test_the_emulated_run_equals_the_pipeline_run_with_per_stage_clipping_and_lr
 def test_pipedream_2bw_with_error_feedback_equals_the_emulator(world_size):
     """Error Feedback (λ = 1) around AdamW and SGD on the 2BW pipeline (pp 2, and pp 2 × dp 2)."""
     _check(run_ranks(world_size, _worker, 2, ["tiny-qwen3-moe"], ["adamw", "sgd"], "pipedream-2bw", 0, True))
+
+
+@pytest.mark.multirank
+def test_pipedream_2bw_with_muon_and_error_feedback_on_pp2_dp2_equals_the_emulator():
+    """Muon (bf16 Newton–Schulz, the same kernels on both sides) + Error Feedback, pp 2 × dp 2."""
+    _check(run_ranks(4, _worker, 2, ["tiny-qwen3-moe"], ["muon"], "pipedream-2bw", 0, True))
