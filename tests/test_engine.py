@@ -40,7 +40,7 @@ def small_model_config(preset: str):
     return build_config(preset, **overrides)
 
 
-def routed_token_counts(model, rows, n_microbatches) -> dict[str, "torch.Tensor"]:
+def routed_token_counts(model, rows, n_microbatches) -> dict:
     """Tokens per expert of every bias-balanced (DeepSeek-V3) router of the HF model on `rows`."""
     import torch
 

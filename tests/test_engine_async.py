@@ -194,8 +194,6 @@ def test_one_process_emulates_the_schedule_at_a_depth(schedule, depth):
 
 
 def _final_state(rank, world_size, pp_size, schedule, emulate_depth):
-    import torch
-
     from hf_asyncpp.checkpoint import gather_full_state_dict
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.engine import PipelineEngine

@@ -11,8 +11,6 @@ matrix: under FSDP2 a shard is not a matrix, which the sharded path has to handl
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 

@@ -13,7 +13,7 @@ v mod n_buffers.
 
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action
+from torch.distributed.pipelining.schedules import FORWARD, _Action
 
 from .validate import ScheduleError
 
