@@ -21,7 +21,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .config import TrainConfig
 from .emulation import EmulatedPipeline
-from .metrics import ComputeTimer, ReducedStepStats
+from .metrics import ComputeTimer, ReducedStepStats, idle_fraction
 from .models import build_stage_modules, load_balancing_loss, plan_stages
 from .optim import build_optimizer
 from .optim.error_feedback import ErrorFeedback
@@ -49,7 +49,7 @@ class StepResult:
     @property
     def idle_fraction(self) -> float:
         """This rank's share of the step outside stage compute."""
-        return max(0.0, 1.0 - self.busy_s / self.step_time_s) if self.step_time_s > 0 else 0.0
+        return idle_fraction(self.busy_s, self.step_time_s)
 
     @property
     def loss(self) -> float:
@@ -278,7 +278,7 @@ class PipelineEngine:
         reduced = ReducedStepStats(
             self.loss_fn.take(self.config.n_microbatches),
             grad_sq_norm if self.layout.dp_rank == 0 else None,
-            max(0.0, 1.0 - busy / step_time),
+            idle_fraction(busy, step_time),
             self.layout,
             self._step_ages if self.layout.dp_rank == 0 else {},
             len(self.plan),

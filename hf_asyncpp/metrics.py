@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-__all__ = ["ComputeTimer", "MetricsWriter", "theoretical_bubble"]
+__all__ = ["ComputeTimer", "MetricsWriter", "idle_fraction", "theoretical_bubble"]
 
 _COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -41,6 +41,11 @@ class ComputeTimer:
     def take(self) -> float:
         busy, self.busy_s = self.busy_s, 0.0
         return busy
+
+
+def idle_fraction(busy_s: float, step_time_s: float) -> float:
+    """The share of a step spent outside stage compute."""
+    return max(0.0, 1.0 - busy_s / step_time_s) if step_time_s > 0 else 0.0
 
 
 def theoretical_bubble(pp_size: int, n_microbatches: int) -> float:

@@ -24,7 +24,6 @@ class VersionedStage(nn.Module):
     def __init__(self, inner: nn.Module, n_buffers: int):
         super().__init__()
         self.inner = inner
-        self.names = [name for name, _ in inner.named_parameters()]
         self.buffers_ = [self._copy_of_master() for _ in range(n_buffers)]
         self.master_version = 0  # updates applied to the master so far
         self.active: int | None = 0
