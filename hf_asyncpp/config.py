@@ -46,6 +46,8 @@ class TrainConfig:
     stage_balance: str = "compute"  # compute / params / layers
     stage_boundaries: list[int] | None = None  # first layer of each stage after the first
     emulate_pp_size: int = 0  # asynchronous schedule on one process: the depth it emulates (0: 1)
+    fsdp: bool = True  # shard parameters, gradients, optimizer state, weight versions, EF over dp
+    mixed_precision: str = "auto"  # forward/backward dtype: auto (bf16 on GPUs) / bf16 / no
     # optimization
     optimizer: str = "adamw"
     learning_rate: float = 1e-3
@@ -54,6 +56,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     muon_lr_scale: str = "original"  # Muon's LR scale by matrix shape: original / match_rms_adamw
     muon_nesterov: bool = True
+    soap_precondition_frequency: int = 10  # SOAP refreshes its eigenbases every N updates
+    soap_max_precond_dim: int = 10000  # SOAP leaves sides longer than this unrotated
     ef: bool = False  # Error Feedback: apply u + ef_lambda·(u − u_prev) instead of the update u
     ef_lambda: float = 1.0
     max_grad_norm: float = 1.0  # 0 disables clipping
@@ -160,6 +164,13 @@ def validate_config(config: TrainConfig, world_size: int):
              f"router_bias_update_rate must be >= 0, got {config.router_bias_update_rate}")
     _require(config.muon_lr_scale in ("original", "match_rms_adamw"),
              f"unknown muon_lr_scale '{config.muon_lr_scale}'; choose original or match_rms_adamw")
+    _require(config.mixed_precision in ("auto", "bf16", "no"),
+             f"unknown mixed_precision '{config.mixed_precision}'; choose auto, bf16 or no")
+    _require(config.soap_precondition_frequency >= 1,
+             f"soap_precondition_frequency must be at least 1 (updates between eigenbasis refreshes), "
+             f"got {config.soap_precondition_frequency}")
+    _require(config.soap_max_precond_dim >= 1,
+             f"soap_max_precond_dim must be at least 1 (longer sides stay unrotated), got {config.soap_max_precond_dim}")
     _require(config.ef_lambda >= 0, f"ef_lambda must be >= 0, got {config.ef_lambda}")
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
     _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")

@@ -16,15 +16,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, get_scheduler
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .config import TrainConfig
 from .emulation import EmulatedPipeline
+from .memory import state_bytes
 from .metrics import ComputeTimer, ReducedStepStats, idle_fraction
 from .models import build_stage_modules, load_balancing_loss, plan_stages
 from .optim import build_optimizer
 from .optim.error_feedback import ErrorFeedback
+from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
 from .parallel.mesh import ParallelLayout
 from .schedules import build_schedule, get_schedule_spec
 from .schedules.async_runtime import AsyncPipelineSchedule
@@ -151,6 +154,15 @@ class PipelineEngine:
         del model  # parts of other stages are released with it
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids
+        # Sharded over dp (FSDP2, parallel/fsdp.py): parameters, gradients, optimizer state, weight
+        # versions and EF buffers hold 1/dp each. A one-rank mesh still gives bf16 compute on GPUs.
+        dtype = None if emulating else compute_dtype(config.mixed_precision, layout.device)
+        self.shards_over_dp = config.fsdp and not emulating and (layout.dp_size > 1 or dtype is not None)
+        if self.shards_over_dp:
+            dp_mesh = layout.mesh["dp"]
+            for module in self.modules:
+                # Weight stashing needs one gathered copy per version; fully_shard keeps just one.
+                shard_parameters(module, dp_mesh) if order else fully_shard_stage(module, dp_mesh, dtype)
         self.loss_fn = PipelineLoss(model_config.vocab_size, getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
         self.params = [p for module in self.modules for p in module.parameters()]
         # What steps together: each stage on its own for asynchronous schedules (stages update at
@@ -162,7 +174,7 @@ class PipelineEngine:
         ]
         # Asynchronous pipeline: microbatches bound to stashed weight versions (weight_versions.py).
         self.versioned = (
-            [VersionedStage(mod, order.n_buffers(s, depth, m)) for mod, s in zip(self.modules, self.stage_ids)]
+            [VersionedStage(mod, order.n_buffers(s, depth, m), dtype) for mod, s in zip(self.modules, self.stage_ids)]
             if order and not emulating else []
         )
         self.stages = [] if emulating else [
@@ -218,7 +230,7 @@ class PipelineEngine:
         versioned.publish_master(order.buffer(stage, pp_size, versioned.master_version + 1, m))
 
     def _average_gradients_over_dp(self, params: list[torch.nn.Parameter]) -> None:
-        if self.layout.dp_size == 1:
+        if self.layout.dp_size == 1 or self.shards_over_dp:  # sharded: reduce-scattered and averaged already
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -234,6 +246,8 @@ class PipelineEngine:
         stage wait for the others at every step, which is the bubble they exist to remove."""
         grads = [p.grad for p in params if p.grad is not None]
         local_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+        if isinstance(local_norm, DTensor):  # sharded gradients: the norm over all dp shards
+            local_norm = local_norm.full_tensor()
         local_sq = local_norm.double() ** 2
         norm = local_sq.sqrt()
         if self.spec.synchronous and self.layout.pp_size > 1:
@@ -335,9 +349,17 @@ class PipelineEngine:
         logits = torch.cat([o[0] if isinstance(o, tuple) else o for o in outputs])
         return reduced.value("loss"), reduced.value("aux_loss"), logits
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds per kind of state (memory.py): parameters, gradients, weight
+        versions, optimizer state, EF buffers."""
+        return state_bytes(self.params, [u.optimizer for u in self.updaters],
+                           [u.stepper for u in self.updaters if isinstance(u.stepper, ErrorFeedback)], self.versioned)
+
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and persistent buffers under their HF names."""
+        """This rank's stages' parameters and persistent buffers under their HF names, whole (sharded
+        parameters are gathered over dp: call on every rank)."""
         state = {}
         for module in self.modules:
-            state.update({k: v.detach().cpu() for k, v in module.state_dict().items()})
+            state.update({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                          for k, v in module.state_dict().items()})
         return state

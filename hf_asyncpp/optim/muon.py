@@ -5,14 +5,17 @@ orthogonalisation of the whole matrix (torch's own bf16 iteration), an LR scale 
 (`original`: sqrt(max(1, A/B)); `match_rms_adamw`: 0.2·sqrt(max(A, B))) and decoupled weight decay.
 Fused expert tensors (E, A, B), as transformers 5 stores them, are orthogonalised expert by expert.
 Embeddings, lm_head, norms, biases and routers take AdamW (which parameters is decided by
-`param_groups.muon_or_adamw`, configurable by name pattern). Newton–Schulz must see the whole
-matrix: under FSDP2 a shard is not a matrix, which the sharded path has to handle by gathering.
+`param_groups.muon_param_groups`, configurable by name pattern). Newton–Schulz must see the whole
+matrix: under FSDP2 a shard is not a matrix, so the (sharded) momentum is gathered, every dp rank
+orthogonalises the same whole matrix, and each keeps its own rows of the result (whole_tensor.py).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
+
+from .whole_tensor import gather, keep_local_part
 
 __all__ = ["Muon"]
 
@@ -53,7 +56,7 @@ class Muon(torch.optim.Optimizer):
         buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
         buf.lerp_(p.grad, 1 - group["momentum"])
         update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        update = orthogonalize(update, group["ns_steps"])
+        update = keep_local_part(orthogonalize(gather(update), group["ns_steps"]), like=p)
         adjusted_lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape[-2:])
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update.to(p.dtype), alpha=-adjusted_lr)

@@ -1,18 +1,25 @@
 """Weight versions for asynchronous schedules: stashed copies a microbatch is bound to.
 
 The stage's own parameters are the optimizer's master copy: the newest weights, stepped in place.
-Forward passes never read them. Each forward runs through `torch.func.functional_call` on one of
-a few version buffers (plain leaf tensors), so autograd saves references to that buffer and the
+Forward passes never read them. Each forward runs through `torch.func.functional_call` on the
+compute copy of one of a few version buffers, so autograd saves references to that copy and the
 microbatch's backward sees exactly the weights its forward saw (weight stashing). Gradients
-accumulate in the buffer's `.grad`; an optimizer step moves them to the master, steps it, and
+accumulate in the compute copy's `.grad`; an optimizer step moves them to the master, steps it, and
 copies the new master into a buffer no in-flight microbatch is bound to. Nothing a pending backward
 still needs is ever written in place.
+
+Unsharded fp32 stages compute on the buffers themselves. When the stage is sharded over dp (the
+master and the buffers are DTensors holding 1/dp of the rows, parallel/fsdp.py) or computes in
+bf16, a buffer's compute copy is gathered (and cast) at its first forward, kept while microbatches
+use it, dropped when the buffer is overwritten; its accumulated gradient is reduce-scattered in
+fp32 and averaged over dp on its way to the master (what FSDP2 does with reshard_after_forward=False).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 from torch.func import functional_call
 
 __all__ = ["VersionedStage"]
@@ -21,29 +28,61 @@ __all__ = ["VersionedStage"]
 class VersionedStage(nn.Module):
     """Runs `inner` on version buffer `active` (None: on the master parameters, e.g. evaluation)."""
 
-    def __init__(self, inner: nn.Module, n_buffers: int):
+    def __init__(self, inner: nn.Module, n_buffers: int, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.inner = inner
+        self.compute_dtype = compute_dtype
         self.buffers_ = [self._copy_of_master() for _ in range(n_buffers)]
+        self._compute: list[dict[str, torch.Tensor] | None] = [None] * n_buffers
         self.master_version = 0  # updates applied to the master so far
         self.active: int | None = 0
 
     def _copy_of_master(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.inner.named_parameters()}
+        return {n: p.detach().clone().requires_grad_(p.requires_grad and not self._gathers(p))
+                for n, p in self.inner.named_parameters()}
+
+    def _gathers(self, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, DTensor) or self.compute_dtype not in (None, tensor.dtype)
+
+    def compute_copy(self, buffer: int) -> dict[str, torch.Tensor]:
+        """The tensors forward and backward of microbatches bound to `buffer` run on."""
+        if self._compute[buffer] is None:
+            self._compute[buffer] = {n: self._whole(v) for n, v in self.buffers_[buffer].items()}
+        return self._compute[buffer]
+
+    def live_compute_copies(self) -> list[dict[str, torch.Tensor]]:
+        """The gathered (or cast) compute copies that exist now (none for unsharded fp32 stages)."""
+        return [c for c, b in zip(self._compute, self.buffers_) if c is not None and any(
+            c[n] is not t for n, t in b.items())]
+
+    def _whole(self, version: torch.Tensor) -> torch.Tensor:
+        if not self._gathers(version):
+            return version
+        whole = version.full_tensor() if isinstance(version, DTensor) else version
+        return whole.to(self.compute_dtype or whole.dtype).detach().requires_grad_(version.requires_grad or
+                                                                                   isinstance(version, DTensor))
 
     def forward(self, *args):
         if self.active is None:
             return self.inner(*args)
-        return functional_call(self.inner, self.buffers_[self.active], args, strict=False)
+        return functional_call(self.inner, self.compute_copy(self.active), args, strict=False)
 
     @torch.no_grad()
     def move_gradients_to_master(self, buffer: int, scale: float) -> None:
-        """master.grad = scale × buffer's accumulated gradient; the buffer's gradient is cleared."""
-        versions = self.buffers_[buffer]
+        """master.grad = scale × the gradient accumulated on `buffer` (averaged over dp when sharded);
+        the buffer's gradient is cleared."""
+        computed = self.compute_copy(buffer)
         for name, param in self.inner.named_parameters():
-            grad = versions[name].grad
-            param.grad = None if grad is None else grad.mul_(scale)
-            versions[name].grad = None
+            grad = computed[name].grad
+            computed[name].grad = None
+            if grad is None or not param.requires_grad:
+                param.grad = None
+            elif isinstance(param, DTensor):
+                mesh = param.device_mesh
+                partial = DTensor.from_local(grad.float(), mesh, [Partial("sum")], run_check=False)
+                param.grad = partial.redistribute(mesh, param.placements).mul_(scale / mesh.size())
+            else:
+                param.grad = grad.to(param.dtype).mul_(scale)
 
     @torch.no_grad()
     def publish_master(self, buffer: int) -> None:
@@ -53,3 +92,4 @@ class VersionedStage(nn.Module):
         versions = self.buffers_[buffer]
         for name, param in self.inner.named_parameters():
             versions[name].copy_(param)
+        self._compute[buffer] = None  # gathered again at the buffer's next forward

@@ -1,0 +1,115 @@
+"""FSDP2 on the dp dimension: sharded training equals unsharded training, and holds 1/dp of the state.
+
+"Unsharded" is the same run with `fsdp: false`: every dp replica holds whole parameters and
+optimizer state and averages gradients with one all-reduce (tested equal to HF gradient
+accumulation in tests/test_engine.py). "Sharded" is `fsdp: true`: synchronous stages under
+`fully_shard` per decoder layer, asynchronous ones with Shard(0) DTensor master, versions and state.
+
+Tolerances. With dp = 2 a sum of two values is the same in either order, and FSDP's averaging
+(÷2) is exact, so elementwise optimizers (SGD, AdamW, Lion) see gradients that can differ only where
+the two paths accumulate microbatch gradients in different buffers (fp32 rounding, ~1e-8 relative);
+5 steps of AdamW stay within 1e-6. Muon and SOAP compute on the whole matrix gathered from shards
+(bit-identical to the unsharded one when gradients are), but Muon's Newton–Schulz runs in bf16, where a
+1-ulp input difference can flip a rounding: one flip moves an entry of the orthogonalised update by
+up to 2^-8 relative to its size (~1), i.e. lr·2^-8 per step; the bound used is 5 steps × lr × 2^-8.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_asyncpp.parallel.spawn import run_ranks
+from tests.test_engine import small_model_config
+
+SEQ, MBS, M, STEPS = 16, 2, 4, 5
+LR = {"sgd": 0.5, "adamw": 3e-3, "muon": 2e-2, "soap": 3e-3, "lion": 3e-4}
+TOLERANCE = {"sgd": 1e-6, "adamw": 1e-6, "lion": 1e-6, "soap": 1e-6, "muon": STEPS * LR["muon"] * 2 ** -8}
+
+
+def _train(layout, preset, schedule, optimizer, fsdp, ef=False):
+    """Final whole parameters, per-step losses and the engine after STEPS steps."""
+    import torch
+
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+
+    model_config = small_model_config(preset)
+    config = TrainConfig(model_config=preset, pp_size=layout.pp_size, schedule=schedule, optimizer=optimizer,
+                         learning_rate=LR[optimizer], momentum=0.9, max_grad_norm=1.0, lr_scheduler_type="constant",
+                         seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS, fsdp=fsdp,
+                         ef=ef, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(9)
+    rows = [torch.randint(0, model_config.vocab_size, (layout.dp_size * MBS * M, SEQ), generator=gen)
+            for _ in range(STEPS)]
+    mine = [r.chunk(layout.dp_size)[layout.dp_rank] for r in rows]
+    engine = PipelineEngine(config, model_config, layout)
+    losses = [engine.train_step(mine[k], mine[k + 1] if k + 1 < STEPS else None).loss for k in range(STEPS)]
+    engine.finish()
+    return engine.stage_state_dict(), losses, engine
+
+
+def _sharded_vs_unsharded(rank, world_size, pp_size, preset, schedule, optimizers):
+    from torch.distributed.tensor import DTensor
+
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), pp_size)
+    report = {}
+    try:
+        for optimizer in optimizers:
+            reference, ref_losses, _ = _train(layout, preset, schedule, optimizer, fsdp=False)
+            state, losses, engine = _train(layout, preset, schedule, optimizer, fsdp=True)
+            opt_state = [v for u in engine.updaters for s in u.optimizer.state.values() for v in s.values()
+                         if getattr(v, "ndim", 0) > 0]
+            report[optimizer] = dict(
+                param_diff=max((state[n] - reference[n]).abs().max().item() for n in reference),
+                loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                all_params_sharded=all(isinstance(p, DTensor) for p in engine.params),
+                all_state_sharded=bool(opt_state) and all(isinstance(v, DTensor) for v in opt_state),
+            )
+    finally:
+        shutdown_parallel()
+    return report
+
+
+def _check(reports):
+    for report in reports:
+        for optimizer, row in report.items():
+            assert row["all_params_sharded"] and row["all_state_sharded"], (optimizer, row)
+            assert row["param_diff"] <= TOLERANCE[optimizer], (optimizer, row)
+            assert row["loss_diff"] <= TOLERANCE[optimizer], (optimizer, row)
+
+
+@pytest.mark.multirank
+def test_each_optimizer_sharded_over_two_replicas_equals_unsharded():
+    _check(run_ranks(2, _sharded_vs_unsharded, 1, "tiny-qwen3-moe", "gpipe", ["sgd", "adamw", "muon"]))
+
+
+@pytest.mark.multirank
+def test_pipedream_2bw_stage_sharded_over_two_replicas_equals_unsharded():
+    _check(run_ranks(4, _sharded_vs_unsharded, 2, "tiny-mixtral", "pipedream-2bw", ["adamw", "muon"]))
+
+
+def _bytes_after_training(rank, world_size, pp_size, schedule):
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), pp_size)
+    try:
+        _, _, engine = _train(layout, "tiny-mixtral", schedule, "adamw", fsdp=True, ef=True)
+        return dict(engine.state_bytes(), stage=engine.stage_ids[0])
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_optimizer_state_ef_buffers_and_weight_versions_shrink_as_one_over_dp():
+    one_replica = run_ranks(2, _bytes_after_training, 2, "pipedream-2bw")  # pp 2 × dp 1
+    two_replicas = run_ranks(4, _bytes_after_training, 2, "pipedream-2bw")  # pp 2 × dp 2
+    for whole in one_replica:
+        for shard in (r for r in two_replicas if r["stage"] == whole["stage"]):
+            for kind in ("parameters", "weight_versions", "optimizer_state", "ef_buffers"):
+                assert whole[kind] > 0, (kind, whole)
+                # AdamW keeps a 4-byte step counter per tensor on every replica: allow for it.
+                assert abs(shard[kind] - whole[kind] / 2) <= 0.005 * whole[kind], (kind, shard, whole)
