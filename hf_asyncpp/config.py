@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     muon_lr_scale: str = "original"  # Muon's LR scale by matrix shape: original / match_rms_adamw
     muon_nesterov: bool = True
+    muon_adamw_patterns: list[str] | None = None  # regexes of names Muon leaves to AdamW (None: defaults)
     soap_precondition_frequency: int = 10  # SOAP refreshes its eigenbases every N updates
-    soap_max_precond_dim: int = 10000  # SOAP leaves sides longer than this unrotated
+    soap_max_precond_dim: int = 4096  # SOAP leaves sides longer than this unrotated
     ef: bool = False  # Error Feedback: apply u + ef_lambda·(u − u_prev) instead of the update u
     ef_lambda: float = 1.0
     max_grad_norm: float = 1.0  # 0 disables clipping
@@ -80,18 +82,20 @@ class TrainConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def _base_type(annotation) -> tuple[type, bool]:
-    """(scalar type, optional?) for the simple annotations TrainConfig uses."""
+def _base_type(annotation) -> tuple[type, bool, type | None]:
+    """(scalar type, optional?, list item type) for the simple annotations TrainConfig uses."""
     hint = typing.get_type_hints(TrainConfig)[annotation]
     args = typing.get_args(hint)
     optional = type(None) in args
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in args if a is not type(None))
-    return (list if typing.get_origin(hint) is list else hint), optional
+    if typing.get_origin(hint) is list:
+        return list, optional, typing.get_args(hint)[0]
+    return hint, optional, None
 
 
 def _coerce(key: str, value):
-    kind, optional = _base_type(key)
+    kind, optional, item = _base_type(key)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
         if not optional:
             raise ConfigError(f"config key '{key}' cannot be empty")
@@ -106,7 +110,9 @@ def _coerce(key: str, value):
         if kind is list:
             if isinstance(value, str):
                 value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
-            return [int(v) for v in value]
+            if item is str and not all(isinstance(v, str) for v in value):
+                raise ValueError(value)
+            return [item(v) for v in value]
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
         return kind(value)
@@ -164,8 +170,15 @@ def validate_config(config: TrainConfig, world_size: int):
              f"router_bias_update_rate must be >= 0, got {config.router_bias_update_rate}")
     _require(config.muon_lr_scale in ("original", "match_rms_adamw"),
              f"unknown muon_lr_scale '{config.muon_lr_scale}'; choose original or match_rms_adamw")
+    for pattern in config.muon_adamw_patterns or ():
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(f"muon_adamw_patterns: '{pattern}' is not a regular expression ({err})") from None
     _require(config.mixed_precision in ("auto", "bf16", "no"),
              f"unknown mixed_precision '{config.mixed_precision}'; choose auto, bf16 or no")
+    _require(config.fsdp or config.mixed_precision != "bf16",
+             "mixed_precision bf16 is applied by FSDP2: set fsdp to true (or mixed_precision to no)")
     _require(config.soap_precondition_frequency >= 1,
              f"soap_precondition_frequency must be at least 1 (updates between eigenbasis refreshes), "
              f"got {config.soap_precondition_frequency}")

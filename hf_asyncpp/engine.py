@@ -25,7 +25,7 @@ from .emulation import EmulatedPipeline
 from .memory import state_bytes
 from .metrics import ComputeTimer, ReducedStepStats, idle_fraction
 from .models import build_stage_modules, load_balancing_loss, plan_stages
-from .optim import build_optimizer
+from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
 from .parallel.mesh import ParallelLayout
@@ -123,10 +123,7 @@ class _Updater:
     def __init__(self, config: TrainConfig, stage: int, named_params: list, order):
         self.stage = stage  # the (first) stage these parameters belong to
         self.params = [p for _, p in named_params]
-        self.optimizer = build_optimizer(
-            config.optimizer, named_params, config.learning_rate, config.momentum, config.beta2, config.weight_decay,
-            config.muon_lr_scale, config.muon_nesterov,
-        )
+        self.optimizer = optimizer_from_config(config, named_params)
         # What applies an update: the optimizer, or Error Feedback around it.
         self.stepper = ErrorFeedback(self.optimizer, config.ef_lambda) if config.ef else self.optimizer
         # The LR schedule advances once per update: m times a step when stages update per microbatch.
@@ -154,11 +151,11 @@ class PipelineEngine:
         del model  # parts of other stages are released with it
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids
-        # Sharded over dp (FSDP2, parallel/fsdp.py): parameters, gradients, optimizer state, weight
-        # versions and EF buffers hold 1/dp each. A one-rank mesh still gives bf16 compute on GPUs.
+        # FSDP2 over dp (parallel/fsdp.py): parameters, gradients, optimizer state, weight versions
+        # and EF buffers hold 1/dp each. At dp 1 it still provides the bf16 compute policy.
         dtype = None if emulating else compute_dtype(config.mixed_precision, layout.device)
-        self.shards_over_dp = config.fsdp and not emulating and (layout.dp_size > 1 or dtype is not None)
-        if self.shards_over_dp:
+        self.fsdp_managed = config.fsdp and not emulating and (layout.dp_size > 1 or dtype is not None)
+        if self.fsdp_managed:
             dp_mesh = layout.mesh["dp"]
             for module in self.modules:
                 # Weight stashing needs one gathered copy per version; fully_shard keeps just one.
@@ -230,7 +227,7 @@ class PipelineEngine:
         versioned.publish_master(order.buffer(stage, pp_size, versioned.master_version + 1, m))
 
     def _average_gradients_over_dp(self, params: list[torch.nn.Parameter]) -> None:
-        if self.layout.dp_size == 1 or self.shards_over_dp:  # sharded: reduce-scattered and averaged already
+        if self.layout.dp_size == 1 or self.fsdp_managed:  # FSDP reduce-scattered and averaged them
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch._utils._flatten_dense_tensors(grads)

@@ -54,6 +54,9 @@ BAD_INPUTS = {
     "bad boundaries": (["--stage_boundaries", "3,1"], 2, "stage_boundaries must be 1 increasing"),
     "pipedream on one rank": (["--schedule", "pipedream", "--pp_size", "1"], 1, "set emulate_pp_size >= 2"),
     "missing init_from": (["--init_from", "/nonexistent/model"], 2, "init_from '/nonexistent/model' is not a model directory"),
+    "SOAP never refreshing": (["--optimizer", "soap", "--soap_precondition_frequency", "0"], 2,
+                              "soap_precondition_frequency must be at least 1 .*got 0"),
+    "SOAP rotating no side": (["--soap_max_precond_dim", "-1"], 2, "soap_max_precond_dim must be at least 1 .*got -1"),
 }
 
 

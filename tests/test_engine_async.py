@@ -55,13 +55,12 @@ def emulate(model, config, rows_per_step, dp_size, aux_coef, delays, per_microba
     step per microbatch. dp replicas each accumulate their own gradient, which are then summed and
     divided by dp as the all-reduce does (the same arithmetic, so even Muon's bf16 Newton–Schulz,
     which amplifies rounding differences, sees identical inputs)."""
-    from hf_asyncpp.optim import build_optimizer
+    from hf_asyncpp.optim import optimizer_from_config
     from hf_asyncpp.optim.delay import StalenessEmulator
 
     from hf_asyncpp.optim.error_feedback import ErrorFeedback
 
-    opt = build_optimizer(config.optimizer, model.named_parameters(), config.learning_rate, config.momentum,
-                          config.beta2, config.weight_decay, config.muon_lr_scale, config.muon_nesterov)
+    opt = optimizer_from_config(config, model.named_parameters())
     emulator = StalenessEmulator(ErrorFeedback(opt, config.ef_lambda) if config.ef else opt, delays)
     params = list(model.parameters())
     losses = []

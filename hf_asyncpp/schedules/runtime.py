@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import FORWARD, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import FORWARD, _add_unshard_reshard, _PipelineScheduleRuntime
 
 from .registry import ScheduleSpec
 from .validate import lower_with_comms
@@ -19,6 +19,7 @@ class ActionListSchedule(_PipelineScheduleRuntime):
     `eval()` (forward only, e.g. validation loss or logits) runs the same lists with every backward
     removed: each rank keeps its forwards in the training order, so the lowered program stays
     deadlock-free, and the stages are the same objects, so torch's train ↔ eval switch applies.
+    Sharded stages get torch's UNSHARD / RESHARD actions around their compute, as in training.
     """
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, actions, spec: ScheduleSpec):
@@ -27,7 +28,9 @@ class ActionListSchedule(_PipelineScheduleRuntime):
         self.pipeline_order = actions
         self._prepare_schedule_with_comms(actions)
         self._train_order = self.pipeline_order_with_comms
-        forward_only = {r: [a for a in ops if a is not None and a.computation_type == FORWARD] for r, ops in actions.items()}
+        # FSDP stages (parallel/fsdp.py) are gathered before their first forward and released after.
+        forward_only = {r: _add_unshard_reshard([a for a in ops if a is not None and a.computation_type == FORWARD])
+                        for r, ops in actions.items()}
         self._eval_order = lower_with_comms(forward_only, self.stage_index_to_group_rank.__getitem__, self._num_stages)
 
     def _step_microbatches(self, *args, **kwargs):

@@ -26,8 +26,9 @@ LR = {"sgd": 0.5, "adamw": 3e-3, "muon": 2e-2, "soap": 3e-3, "lion": 3e-4}
 TOLERANCE = {"sgd": 1e-6, "adamw": 1e-6, "lion": 1e-6, "soap": 1e-6, "muon": STEPS * LR["muon"] * 2 ** -8}
 
 
-def _train(layout, preset, schedule, optimizer, fsdp, ef=False):
-    """Final whole parameters, per-step losses and the engine after STEPS steps."""
+def _train(layout, preset, schedule, optimizer, fsdp, ef=False, mixed_precision="no"):
+    """Final whole parameters, per-step losses (then an evaluation loss for synchronous schedules)
+    and the engine after STEPS steps."""
     import torch
 
     from hf_asyncpp.config import TrainConfig
@@ -37,7 +38,7 @@ def _train(layout, preset, schedule, optimizer, fsdp, ef=False):
     config = TrainConfig(model_config=preset, pp_size=layout.pp_size, schedule=schedule, optimizer=optimizer,
                          learning_rate=LR[optimizer], momentum=0.9, max_grad_norm=1.0, lr_scheduler_type="constant",
                          seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS, fsdp=fsdp,
-                         ef=ef, weight_decay=0.01)
+                         ef=ef, weight_decay=0.01, mixed_precision=mixed_precision)
     gen = torch.Generator().manual_seed(9)
     rows = [torch.randint(0, model_config.vocab_size, (layout.dp_size * MBS * M, SEQ), generator=gen)
             for _ in range(STEPS)]
@@ -45,6 +46,8 @@ def _train(layout, preset, schedule, optimizer, fsdp, ef=False):
     engine = PipelineEngine(config, model_config, layout)
     losses = [engine.train_step(mine[k], mine[k + 1] if k + 1 < STEPS else None).loss for k in range(STEPS)]
     engine.finish()
+    if engine.spec.synchronous:  # evaluation runs on the sharded stages too
+        losses.append(engine.eval_step(mine[0])[0])
     return engine.stage_state_dict(), losses, engine
 
 
@@ -60,8 +63,9 @@ def _sharded_vs_unsharded(rank, world_size, pp_size, preset, schedule, optimizer
         for optimizer in optimizers:
             reference, ref_losses, _ = _train(layout, preset, schedule, optimizer, fsdp=False)
             state, losses, engine = _train(layout, preset, schedule, optimizer, fsdp=True)
-            opt_state = [v for u in engine.updaters for s in u.optimizer.state.values() for v in s.values()
-                         if getattr(v, "ndim", 0) > 0]
+            # Per-element state; SOAP's factors and bases are per matrix, replicated by design.
+            opt_state = [v for u in engine.updaters for s in u.optimizer.state.values() for k, v in s.items()
+                         if getattr(v, "ndim", 0) > 0 and not k.endswith(("_factor", "_basis"))]
             report[optimizer] = dict(
                 param_diff=max((state[n] - reference[n]).abs().max().item() for n in reference),
                 loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -83,7 +87,7 @@ def _check(reports):
 
 @pytest.mark.multirank
 def test_each_optimizer_sharded_over_two_replicas_equals_unsharded():
-    _check(run_ranks(2, _sharded_vs_unsharded, 1, "tiny-qwen3-moe", "gpipe", ["sgd", "adamw", "muon"]))
+    _check(run_ranks(2, _sharded_vs_unsharded, 1, "tiny-qwen3-moe", "gpipe", ["sgd", "adamw", "muon", "soap", "lion"]))
 
 
 @pytest.mark.multirank
@@ -113,3 +117,33 @@ def test_optimizer_state_ef_buffers_and_weight_versions_shrink_as_one_over_dp():
                 assert whole[kind] > 0, (kind, whole)
                 # AdamW keeps a 4-byte step counter per tensor on every replica: allow for it.
                 assert abs(shard[kind] - whole[kind] / 2) <= 0.005 * whole[kind], (kind, shard, whole)
+
+
+def _bf16_vs_fp32(rank, world_size, pp_size, schedule):
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), pp_size)
+    try:
+        reference, ref_losses, _ = _train(layout, "tiny-qwen3-moe", schedule, "adamw", fsdp=True)
+        state, losses, _ = _train(layout, "tiny-qwen3-moe", schedule, "adamw", fsdp=True, mixed_precision="bf16")
+        return dict(
+            loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            param_diff=max((state[n] - reference[n]).abs().max().item() for n in reference),
+            master_dtypes={str(t.dtype) for t in state.values()},
+        )
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("pp_size, schedule", [(1, "gpipe"), (2, "pipedream-2bw")])
+def test_bf16_compute_keeps_fp32_master_weights_and_tracks_the_fp32_run(pp_size, schedule):
+    """bf16 forward/backward (fully_shard's MixedPrecisionPolicy, or bf16 compute copies of the weight
+    versions) on 2 dp replicas: the master weights stay fp32, and 5 AdamW steps stay close to the fp32
+    run. bf16 keeps 8 mantissa bits, so a loss of ~5 differs by a few 1e-2 and an AdamW step (~lr per
+    entry, sign-like) can flip where a gradient entry is near 0: bounds 0.05 (loss) and 5·2·lr (weights)."""
+    for row in run_ranks(2 * pp_size, _bf16_vs_fp32, pp_size, schedule):
+        assert row["master_dtypes"] == {"torch.float32"}, row
+        assert 0 < row["loss_diff"] < 0.05, row  # > 0: the compute really ran in bf16
+        assert row["param_diff"] < STEPS * 2 * LR["adamw"], row

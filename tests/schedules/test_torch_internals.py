@@ -17,6 +17,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import (
     _Action,
     _add_send_recv,
+    _add_unshard_reshard,
     _ComputationType,
     _format_pipeline_order,
     _PipelineScheduleRuntime,
@@ -287,3 +288,9 @@ def test_runtime_helpers_and_hooks_used_by_the_async_runtime():
         assert callable(getattr(_PipelineScheduleRuntime, hook, None)), hook
     # step() sets the stages' has_backward before running; the async runtime does the same itself.
     assert "stage.has_backward = self._has_backward" in inspect.getsource(torch_schedules.PipelineScheduleMulti.step)
+
+
+def test_add_unshard_reshard_gathers_a_stage_before_its_first_compute_and_releases_it_after():
+    """The forward-only (evaluation) program of FSDP stages relies on it (schedules/runtime.py)."""
+    program = _add_unshard_reshard(parse({0: "0F0 0F1"})[0])
+    assert " ".join(str(a) for a in program) == "0UNSHARD 0F0 0F1 0RESHARD"
