@@ -57,6 +57,10 @@ BAD_INPUTS = {
     "SOAP never refreshing": (["--optimizer", "soap", "--soap_precondition_frequency", "0"], 2,
                               "soap_precondition_frequency must be at least 1 .*got 0"),
     "SOAP rotating no side": (["--soap_max_precond_dim", "-1"], 2, "soap_max_precond_dim must be at least 1 .*got -1"),
+    "Muon pattern not a regex": (["--optimizer", "muon", "--muon_adamw_patterns", "lm_head,(unclosed"], 2,
+                                 "muon_adamw_patterns: '\\(unclosed' is not a regular expression"),
+    "bf16 without FSDP": (["--mixed_precision", "bf16", "--fsdp", "false"], 2, "mixed_precision bf16 is applied by FSDP2"),
+    "unknown precision": (["--mixed_precision", "fp8"], 2, "unknown mixed_precision 'fp8'; choose auto, bf16 or no"),
 }
 
 

@@ -6,9 +6,9 @@ x_t − x_t') and u_{t−1} the previous one (0 at first), the weights move by
     u_t + λ (u_t − u_{t−1})
 
 instead of u_t. With λ = 1 under a one-step delay the stored weights become a linear extrapolation
-of the un-delayed trajectory, x_{t+1} = x_t − 2u_{t−1} + u_{t−2} (DESIGN.md, "Update semantics").
-One extra update-sized buffer per parameter, created like the parameter (`zeros_like`), so under
-FSDP2 it is a DTensor sharded exactly like it; it is part of `state_dict()`.
+of the un-delayed trajectory, x_{t+1} = x_t − 2u_{t−1} + u_{t−2} (docs/ARCHITECTURE.md, "Update semantics").
+One extra update-sized buffer per parameter, made from the parameter (a clone, or `zeros_like`
+at first), so under FSDP2 it is a DTensor sharded exactly like it; it is part of `state_dict()`.
 """
 
 from __future__ import annotations
@@ -40,13 +40,17 @@ class ErrorFeedback:
         params = self._params()
         before = [p.detach().clone() for p in params]
         self.optimizer.step()
-        for p, old in zip(params, before):
-            update = old.sub_(p)  # u_t = x_t − x_t', in place of the copy
-            previous = self.previous_update.get(p)
-            if previous is None:
-                previous = self.previous_update[p] = torch.zeros_like(p)
-            p.sub_(update - previous, alpha=self.ef_lambda)
-            previous.copy_(update)
+        # Multi-tensor ops (a few passes over the stage's weights, not a Python loop per tensor);
+        # this step's updates then become the stored previous ones (no copy).
+        updates = before
+        torch._foreach_sub_(updates, params)  # u_t = x_t − x_t', in place of the copies
+        previous = [self.previous_update.get(p) for p in params]
+        for i, p in enumerate(params):
+            if previous[i] is None:
+                previous[i] = self.previous_update[p] = torch.zeros_like(p)
+        change = torch._foreach_sub(updates, previous)
+        torch._foreach_sub_(params, change, alpha=self.ef_lambda)
+        self.previous_update.update(zip(params, updates))
 
     def state_dict(self) -> dict:
         params = self._params()

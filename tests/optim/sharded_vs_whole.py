@@ -9,11 +9,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hf_asyncpp.optim.lion import Lion
+from hf_asyncpp.optim.muon import Muon
 from hf_asyncpp.optim.soap import SOAP
 
 __all__ = ["compare_sharded_to_whole"]
 
-OPTIMIZERS = {"soap": SOAP, "lion": Lion}
+OPTIMIZERS = {"soap": SOAP, "lion": Lion, "muon": Muon}
+FIRST_MOMENT = {"soap": "exp_avg", "lion": "exp_avg", "muon": "momentum_buffer"}
 
 
 def compare_sharded_to_whole(rank: int, world_size: int, name: str, options: dict, shapes: list, steps: int) -> list:
@@ -33,7 +35,7 @@ def compare_sharded_to_whole(rank: int, world_size: int, name: str, options: dic
             sharded.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
             opt_whole.step()
             opt_sharded.step()
-        exp_avg = opt_sharded.state[sharded]["exp_avg"]
+        exp_avg = opt_sharded.state[sharded][FIRST_MOMENT[name]]
         reports.append(dict(shape=shape, max_diff=(sharded.full_tensor() - whole).abs().max().item(),
                             moved=(whole - start).abs().max().item(), exp_avg_is_dtensor=isinstance(exp_avg, DTensor),
                             exp_avg_local=exp_avg.to_local().numel(), numel=whole.numel()))

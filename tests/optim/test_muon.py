@@ -11,6 +11,8 @@ from hf_asyncpp.models.presets import build_config
 from hf_asyncpp.optim import build_optimizer
 from hf_asyncpp.optim.muon import Muon, orthogonalize
 from hf_asyncpp.optim.param_groups import names_by_group
+from hf_asyncpp.parallel.spawn import run_ranks
+from tests.optim.sharded_vs_whole import compare_sharded_to_whole
 
 
 @pytest.mark.parametrize("shape", [(8, 4), (4, 8)])
@@ -61,3 +63,34 @@ def test_the_whole_model_steps_with_muon():
     opt.step()
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert len(moved) == len(before)
+
+
+@pytest.mark.multirank
+def test_on_dp_shards_muon_orthogonalises_the_whole_matrix_and_keeps_its_momentum_sharded():
+    """Shard(0) over 2 ranks vs the whole tensor, same gradients, 6 steps: every rank orthogonalises
+    the gathered matrix (identical input, identical bf16 iteration), so the result is bitwise equal;
+    the momentum buffer stays a DTensor holding half the elements."""
+    shapes = [(8, 6), (4, 6, 6)]  # a matrix and a stack of expert matrices (sharded over experts)
+    options = dict(lr=0.02, weight_decay=0.1, momentum=0.9)
+    for reports in run_ranks(2, compare_sharded_to_whole, "muon", options, shapes, 6, timeout_s=120):
+        for report in reports:
+            assert report["max_diff"] == 0.0 and report["moved"] > 0.01, report
+            assert report["exp_avg_is_dtensor"] and 2 * report["exp_avg_local"] == report["numel"], report
+
+
+def test_orthogonalising_a_row_shard_instead_of_the_whole_matrix_is_wrong():
+    """Why Muon gathers: Newton–Schulz of each half of the rows is not the halves of Newton–Schulz."""
+    matrix = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+    whole = orthogonalize(matrix)
+    by_shard = torch.cat([orthogonalize(half) for half in matrix.chunk(2)])
+    assert (whole - by_shard).abs().max() > 0.1
+
+
+def test_adamw_name_patterns_are_configurable():
+    model = AutoModelForCausalLM.from_config(build_config("tiny-qwen3-moe", num_hidden_layers=1, vocab_size=64))
+    opt = build_optimizer("muon", model.named_parameters(), 0.02, 0.95, 0.95, 0.1,
+                          muon_adamw_patterns=[r"embed_tokens", r"lm_head", r"norm", r"self_attn\."])
+    names = {id(p): n for n, p in model.named_parameters()}
+    adamw = {names[id(p)] for g in opt.param_groups if not g["use_muon"] for p in g["params"]}
+    assert "model.layers.0.self_attn.q_proj.weight" in adamw
+    assert "model.layers.0.mlp.gate.weight" not in adamw  # the router is Muon's once the pattern is dropped
