@@ -44,6 +44,8 @@ class PipelineStageModule(nn.Module):
         self.family = family_for(config)
         self.layer_ids = tuple(layer_ids)
         self.is_first, self.is_last = is_first, is_last
+        # Parameters the model class keeps in fp32 whatever the compute dtype (DeepSeek-V3's router).
+        self.fp32_patterns = tuple(getattr(causal_lm, "_keep_in_fp32_modules_strict", None) or ())
         base = causal_lm.model
 
         self.model = nn.Module()

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-__all__ = ["compute_dtype", "fully_shard_stage", "shard_parameters"]
+__all__ = ["compute_dtype", "fully_shard_stage", "keeps_fp32", "shard_parameters"]
 
 _DTYPES = {"no": None, "bf16": torch.bfloat16}
 
@@ -33,10 +33,24 @@ def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | N
     return _DTYPES[mixed_precision]
 
 
+def keeps_fp32(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether parameter `name` is one the model class keeps in fp32 (`_keep_in_fp32_modules_strict`
+    entries name a module or a parameter by suffix)."""
+    module = name.rpartition(".")[0]
+    return any(name.endswith(p) or module.endswith(p) for p in patterns)
+
+
 def fully_shard_stage(stage: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype | None = None) -> nn.Module:
-    """FSDP2 per decoder layer and on the stage root; gradients are reduced in fp32."""
+    """FSDP2 per decoder layer and on the stage root; gradients are reduced in fp32. Modules whose
+    parameters the model keeps in fp32 get their own FSDP unit with an fp32 policy."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for layer in stage.model.layers.values():
+        if dtype is not None:
+            for name, module in layer.named_modules():
+                params = [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
+                if name and any(keeps_fp32(p, stage.fp32_patterns) for p in params):
+                    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=fp32_policy)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     return stage

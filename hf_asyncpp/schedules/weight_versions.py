@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.func import functional_call
 
+from ..parallel.fsdp import keeps_fp32
+
 __all__ = ["VersionedStage"]
 
 
@@ -32,6 +34,8 @@ class VersionedStage(nn.Module):
         super().__init__()
         self.inner = inner
         self.compute_dtype = compute_dtype
+        self._fp32_patterns = tuple(getattr(inner, "fp32_patterns", ()))
+        self._trainable = {n: p.requires_grad for n, p in inner.named_parameters()}
         self.buffers_ = [self._copy_of_master() for _ in range(n_buffers)]
         self._compute: list[dict[str, torch.Tensor] | None] = [None] * n_buffers
         self.master_version = 0  # updates applied to the master so far
@@ -47,7 +51,8 @@ class VersionedStage(nn.Module):
     def compute_copy(self, buffer: int) -> dict[str, torch.Tensor]:
         """The tensors forward and backward of microbatches bound to `buffer` run on."""
         if self._compute[buffer] is None:
-            self._compute[buffer] = {n: self._whole(v) for n, v in self.buffers_[buffer].items()}
+            self._compute[buffer] = {n: self._whole(v, keeps_fp32(n, self._fp32_patterns), self._trainable[n])
+                                     for n, v in self.buffers_[buffer].items()}
         return self._compute[buffer]
 
     def live_compute_copies(self) -> list[dict[str, torch.Tensor]]:
@@ -55,12 +60,12 @@ class VersionedStage(nn.Module):
         return [c for c, b in zip(self._compute, self.buffers_) if c is not None and any(
             c[n] is not t for n, t in b.items())]
 
-    def _whole(self, version: torch.Tensor) -> torch.Tensor:
+    def _whole(self, version: torch.Tensor, keep_fp32: bool, trainable: bool) -> torch.Tensor:
         if not self._gathers(version):
             return version
         whole = version.full_tensor() if isinstance(version, DTensor) else version
-        return whole.to(self.compute_dtype or whole.dtype).detach().requires_grad_(version.requires_grad or
-                                                                                   isinstance(version, DTensor))
+        dtype = whole.dtype if keep_fp32 or self.compute_dtype is None else self.compute_dtype
+        return whole.to(dtype).detach().requires_grad_(trainable)
 
     def forward(self, *args):
         if self.active is None:

@@ -147,3 +147,43 @@ def test_bf16_compute_keeps_fp32_master_weights_and_tracks_the_fp32_run(pp_size,
         assert row["master_dtypes"] == {"torch.float32"}, row
         assert 0 < row["loss_diff"] < 0.05, row  # > 0: the compute really ran in bf16
         assert row["param_diff"] < STEPS * 2 * LR["adamw"], row
+
+
+def _dtypes_seen_in_forward(rank, world_size, pp_size, schedule):
+    import torch
+
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), pp_size)
+    try:
+        preset = "tiny-deepseek-v3"
+        model_config = small_model_config(preset)
+        config = TrainConfig(model_config=preset, pp_size=pp_size, schedule=schedule, seq_len=SEQ, micro_batch_size=MBS,
+                             n_microbatches=M, max_steps=2, mixed_precision="bf16")
+        engine = PipelineEngine(config, model_config, layout)
+        seen = {"router": set(), "attention": set()}
+        for module in engine.modules:
+            for name, sub in module.named_modules():
+                kind = "router" if hasattr(sub, "e_score_correction_bias") else "attention" if name.endswith(
+                    "self_attn.o_proj") else None
+                if kind:
+                    sub.register_forward_pre_hook(lambda m, args, kind=kind: seen[kind].add(str(m.weight.dtype)))
+        rows = torch.randint(0, model_config.vocab_size, (MBS * M, SEQ))
+        engine.train_step(rows, rows)
+        engine.train_step(rows, None)
+        engine.finish()
+        return seen
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("pp_size, schedule", [(1, "gpipe"), (2, "pipedream-2bw")])
+def test_under_bf16_deepseek_v3_routers_still_compute_in_fp32(pp_size, schedule):
+    """transformers keeps DeepSeek-V3's router weight in fp32 (`_keep_in_fp32_modules_strict`); the
+    bf16 policy must too, or expert choice would follow bf16-rounded scores."""
+    for seen in run_ranks(2 * pp_size, _dtypes_seen_in_forward, pp_size, schedule):
+        assert seen == {"router": {"torch.float32"}, "attention": {"torch.bfloat16"}}, seen
