@@ -8,11 +8,14 @@ Embeddings, lm_head, norms, biases and routers take AdamW (which parameters is d
 `param_groups.muon_param_groups`, configurable by name pattern). Newton–Schulz must see the whole
 matrix: under FSDP2 a shard is not a matrix, so the (sharded) momentum is gathered, every dp rank
 orthogonalises the same whole matrix, and each keeps its own rows of the result (whole_tensor.py).
+Fused expert tensors are sharded over their first dimension, the experts: a rank's shard is whole
+expert matrices, which it orthogonalises alone — no gather, 1/dp of the work.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
 from .whole_tensor import gather, keep_local_part
@@ -26,6 +29,16 @@ def orthogonalize(update: torch.Tensor, ns_steps: int = 5) -> torch.Tensor:
     if update.ndim == 2:
         return _zeropower_via_newtonschulz(update, coefficients, ns_steps, EPS)
     return torch.stack([_zeropower_via_newtonschulz(m, coefficients, ns_steps, EPS) for m in update])
+
+
+def _orthogonalized(update: torch.Tensor, like: torch.Tensor, ns_steps: int) -> torch.Tensor:
+    """`orthogonalize` of whole matrices, laid out like `like`."""
+    if isinstance(update, DTensor) and update.ndim == 3 and all(
+            isinstance(pl, Shard) and pl.dim == 0 for pl in update.placements):
+        local = orthogonalize(update.to_local(), ns_steps)  # this rank's experts, each whole
+        return DTensor.from_local(local, update.device_mesh, update.placements, run_check=False,
+                                  shape=update.shape, stride=update.stride())
+    return keep_local_part(orthogonalize(gather(update), ns_steps), like=like)
 
 
 class Muon(torch.optim.Optimizer):
@@ -56,7 +69,7 @@ class Muon(torch.optim.Optimizer):
         buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
         buf.lerp_(p.grad, 1 - group["momentum"])
         update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        update = keep_local_part(orthogonalize(gather(update), group["ns_steps"]), like=p)
+        update = _orthogonalized(update, p, group["ns_steps"])
         adjusted_lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape[-2:])
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update.to(p.dtype), alpha=-adjusted_lr)
