@@ -55,6 +55,10 @@ class VersionedStage(nn.Module):
                                      for n, v in self.buffers_[buffer].items()}
         return self._compute[buffer]
 
+    def drop_compute_copies(self) -> None:
+        """Forget every gathered compute copy (the buffers were overwritten, e.g. by a checkpoint load)."""
+        self._compute = [None] * len(self._compute)
+
     def live_compute_copies(self) -> list[dict[str, torch.Tensor]]:
         """The gathered (or cast) compute copies that exist now (none for unsharded fp32 stages)."""
         return [c for c, b in zip(self._compute, self.buffers_) if c is not None and any(

@@ -1,0 +1,138 @@
+"""Training checkpoints on disk: `<output_dir>/checkpoint-<step>/`, written atomically, verified on load.
+
+A checkpoint is written by all ranks into `checkpoint-<step>.partial/` with
+torch.distributed.checkpoint (each rank its own shards, in parallel), then rank 0 adds
+`trainer_state.json` (step, layout, config) and `manifest.json` (every file's size and SHA-256) and
+renames the directory. Only a directory without the `.partial` suffix and with a manifest counts as
+a checkpoint: a crash at any point before the rename leaves nothing that looks complete, and the
+previous checkpoints are untouched (the oldest are removed only after the new one is complete,
+`save_total_limit`). Loading checks the manifest first and names the missing or damaged file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+
+from .training_state import load_training_state, training_state
+
+__all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+
+PREFIX = "checkpoint-"
+MANIFEST, TRAINER_STATE = "manifest.json", "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing, incomplete, damaged, or from an incompatible run)."""
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under output_dir, oldest first (by step)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := re.fullmatch(rf"{PREFIX}(\d+)", p.name)) and (p / MANIFEST).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(resume_from: str, output_dir: str | Path) -> Path:
+    """`latest` (the newest complete checkpoint in output_dir) or a checkpoint directory."""
+    if resume_from == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise CheckpointError(f"resume_from_checkpoint: latest, but {output_dir} holds no complete checkpoint")
+        return found[-1]
+    path = Path(resume_from)
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"'{path}' is not a complete checkpoint (no {MANIFEST}; an interrupted save "
+                              f"leaves a '.partial' directory, which is never loaded)")
+    return path
+
+
+def _digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _write_json(path: Path, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_state: dict,
+                    save_total_limit: int | None = None) -> Path:
+    """Write the training state after `step` completed steps (collective: every rank calls it)."""
+    final = Path(output_dir) / f"{PREFIX}{step}"
+    staging = final.with_name(final.name + ".partial")
+    if layout.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.
+    dcp.save(training_state(engine, layout.rank), storage_writer=FileSystemWriter(staging),
+             planner=DefaultSavePlanner(flatten_state_dict=False))
+    dist.barrier()
+    if layout.is_main:
+        _write_json(staging / TRAINER_STATE, dict(trainer_state, step=step, pp_size=layout.pp_size,
+                                                  dp_size=layout.dp_size))
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in sorted(staging.iterdir())}
+        _write_json(staging / MANIFEST, files)  # written last: its presence marks the files complete
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+        if save_total_limit:
+            for old in list_checkpoints(output_dir)[:-save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The trainer state of a complete, undamaged checkpoint; CheckpointError naming the bad file."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
+        if file.stat().st_size != expected["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: file {name} has {file.stat().st_size} bytes, "
+                                  f"{expected['bytes']} were written (truncated or replaced)")
+        if _digest(file) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: file {name} is damaged (checksum differs)")
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def load_checkpoint(engine, layout, path: Path) -> dict:
+    """Load a checkpoint into the engine (collective). Returns its trainer state. Rank 0 verifies the
+    files first and every rank raises the same CheckpointError if they are bad."""
+    verdict = [None]
+    if layout.is_main:
+        try:
+            verdict = [verify_checkpoint(path)]
+        except (CheckpointError, OSError, ValueError) as err:
+            verdict = [CheckpointError(str(err))]
+    dist.broadcast_object_list(verdict, src=0)
+    if isinstance(verdict[0], Exception):
+        raise verdict[0]
+    trainer_state = verdict[0]
+    reader = FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    try:
+        load_training_state(engine, layout.rank, saved, lambda state: dcp.load(
+            state, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False)))
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {path} does not fit this run: {err}") from None
+    return trainer_state
