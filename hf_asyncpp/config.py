@@ -71,6 +71,9 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     logging_steps: int = 1
     save_final: bool = True
+    save_steps: int = 0  # write a training checkpoint every N steps (0: never)
+    save_total_limit: int | None = None  # keep only the newest N checkpoints
+    resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir
     threads_per_rank: int | None = None  # torch intra-op threads per rank (CPU)
 
     @property
@@ -152,6 +155,16 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_resume(config: TrainConfig) -> None:
+    from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
+
+    if config.resume_from_checkpoint is not None:
+        try:
+            verify_checkpoint(find_checkpoint(config.resume_from_checkpoint, config.output_dir))
+        except (CheckpointError, OSError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+
+
 def validate_config(config: TrainConfig, world_size: int):
     """Check everything before a process group exists. Returns the HF model config to build."""
     # Imported here: config parsing stays light, validation needs the model and schedule layers.
@@ -185,6 +198,10 @@ def validate_config(config: TrainConfig, world_size: int):
     _require(config.soap_max_precond_dim >= 1,
              f"soap_max_precond_dim must be at least 1 (longer sides stay unrotated), got {config.soap_max_precond_dim}")
     _require(config.ef_lambda >= 0, f"ef_lambda must be >= 0, got {config.ef_lambda}")
+    _require(config.save_steps >= 0, f"save_steps must be >= 0 (0: no checkpoints), got {config.save_steps}")
+    _require(config.save_total_limit is None or config.save_total_limit >= 1,
+             f"save_total_limit must be at least 1, got {config.save_total_limit}")
+    _check_resume(config)
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
     _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")
     schedulers = [s.value for s in SchedulerType]
@@ -196,6 +213,12 @@ def validate_config(config: TrainConfig, world_size: int):
         spec = get_schedule_spec(config.schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _require(
+        spec.synchronous or not (config.save_steps or config.resume_from_checkpoint),
+        f"training checkpoints (save_steps, resume_from_checkpoint) of the asynchronous schedule "
+        f"'{spec.name}' are not supported yet (its in-flight microbatches and stashed versions are not "
+        "saved); use a synchronous schedule, or save_final for an HF export",
+    )
     _require(
         world_size % config.pp_size == 0,
         f"world size {world_size} is not divisible by pp_size {config.pp_size}; "

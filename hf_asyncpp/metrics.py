@@ -56,10 +56,16 @@ def theoretical_bubble(pp_size: int, n_microbatches: int) -> float:
 class MetricsWriter:
     """Appends one JSON object per logged step to <output_dir>/metrics.jsonl (main process)."""
 
-    def __init__(self, output_dir: str | Path, fresh: bool = True):
+    def __init__(self, output_dir: str | Path, resume_after_step: int | None = None):
+        """A fresh file, or (resuming) the existing one without records of steps after the checkpoint."""
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w" if fresh else "a")
+        kept = []
+        if resume_after_step is not None and self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_after_step]
+        self._file = open(self.path, "w")
+        self._file.write("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -58,6 +59,7 @@ def train(config, model_config, launch) -> dict:
     from tqdm.auto import tqdm
 
     from .checkpoint import export_hf_model, gather_full_state_dict
+    from .checkpoint.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
     from .data import MinibatchSampler, build_token_blocks, load_tokenizer
     from .engine import PipelineEngine
     from .metrics import MetricsWriter
@@ -73,12 +75,22 @@ def train(config, model_config, launch) -> dict:
             blocks, config.rows_per_step, layout.dp_rank, layout.dp_size, config.shuffle, config.seed
         )
         engine = PipelineEngine(config, model_config, layout)
-        writer = MetricsWriter(config.output_dir, fresh=True) if layout.is_main else None
+        start_step, tokens_seen = 0, 0
+        if config.resume_from_checkpoint:
+            path = find_checkpoint(config.resume_from_checkpoint, config.output_dir)
+            resumed = load_checkpoint(engine, layout, path)
+            start_step, tokens_seen = resumed["step"], resumed["tokens_seen"]
+            engine.step_count = start_step
+            if layout.is_main:
+                print(f"[hf_asyncpp] resumed from {path} after step {start_step}")
+        writer = MetricsWriter(config.output_dir, start_step if config.resume_from_checkpoint else None) \
+            if layout.is_main else None
         if layout.is_main:
             print(f"[hf_asyncpp] {engine.spec.name}: pp={layout.pp_size} dp={layout.dp_size}; {engine.plan.describe()}")
-        progress = tqdm(total=config.max_steps, disable=not layout.is_main, desc="train", unit="step")
-        tokens_seen, record = 0, {}
-        for step in range(config.max_steps):
+        progress = tqdm(total=config.max_steps, initial=start_step, disable=not layout.is_main, desc="train",
+                        unit="step")
+        record = {}
+        for step in range(start_step, config.max_steps):
             next_rows = sampler.rows(step + 1) if step + 1 < config.max_steps else None
             result = engine.train_step(sampler.rows(step), next_rows)
             tokens_seen += result.tokens
@@ -99,6 +111,10 @@ def train(config, model_config, launch) -> dict:
                 }
                 progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 writer.write(record)
+            if config.save_steps and result.step % config.save_steps == 0:
+                save_checkpoint(engine, layout, config.output_dir, result.step,
+                                {"tokens_seen": tokens_seen, "config": dataclasses.asdict(config)},
+                                config.save_total_limit)
         engine.finish()
         progress.close()
         if writer:

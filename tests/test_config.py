@@ -61,6 +61,11 @@ BAD_INPUTS = {
                                  "muon_adamw_patterns: '\\(unclosed' is not a regular expression"),
     "bf16 without FSDP": (["--mixed_precision", "bf16", "--fsdp", "false"], 2, "mixed_precision bf16 is applied by FSDP2"),
     "unknown precision": (["--mixed_precision", "fp8"], 2, "unknown mixed_precision 'fp8'; choose auto, bf16 or no"),
+    "checkpoints of an asynchronous schedule": (["--schedule", "pipedream-2bw", "--save_steps", "10"], 2,
+                                                "checkpoints .* of the asynchronous schedule 'pipedream-2bw' are not supported yet"),
+    "negative save_steps": (["--save_steps", "-1"], 2, "save_steps must be >= 0"),
+    "resume from nothing": (["--resume_from_checkpoint", "latest", "--output_dir", "/nonexistent/run"], 2,
+                            "holds no complete checkpoint"),
 }
 
 

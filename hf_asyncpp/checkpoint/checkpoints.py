@@ -24,7 +24,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner,
 
 from .training_state import load_training_state, training_state
 
-__all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
+           "verify_checkpoint"]
 
 PREFIX = "checkpoint-"
 MANIFEST, TRAINER_STATE = "manifest.json", "trainer_state.json"
@@ -100,8 +101,9 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
     return final
 
 
-def verify_checkpoint(path: Path) -> dict:
-    """The trainer state of a complete, undamaged checkpoint; CheckpointError naming the bad file."""
+def verify_checkpoint(path: Path, checksums: bool = True) -> dict:
+    """The trainer state of a complete, undamaged checkpoint; CheckpointError naming the bad file.
+    Without `checksums` only presence and sizes are checked (what a load does after validation)."""
     manifest = json.loads((path / MANIFEST).read_text())
     for name, expected in manifest.items():
         file = path / name
@@ -110,18 +112,19 @@ def verify_checkpoint(path: Path) -> dict:
         if file.stat().st_size != expected["bytes"]:
             raise CheckpointError(f"checkpoint {path}: file {name} has {file.stat().st_size} bytes, "
                                   f"{expected['bytes']} were written (truncated or replaced)")
-        if _digest(file) != expected["sha256"]:
+        if checksums and _digest(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {path}: file {name} is damaged (checksum differs)")
     return json.loads((path / TRAINER_STATE).read_text())
 
 
 def load_checkpoint(engine, layout, path: Path) -> dict:
-    """Load a checkpoint into the engine (collective). Returns its trainer state. Rank 0 verifies the
-    files first and every rank raises the same CheckpointError if they are bad."""
+    """Load a checkpoint into the engine (collective). Returns its trainer state. Rank 0 checks the
+    files' presence and sizes first (config validation checked their checksums) and every rank raises
+    the same CheckpointError if they are bad."""
     verdict = [None]
     if layout.is_main:
         try:
-            verdict = [verify_checkpoint(path)]
+            verdict = [verify_checkpoint(path, checksums=False)]
         except (CheckpointError, OSError, ValueError) as err:
             verdict = [CheckpointError(str(err))]
     dist.broadcast_object_list(verdict, src=0)

@@ -76,3 +76,126 @@ def _resume_equals_straight_run(rank, world_size, pp_size, schedule, optimizer, 
 def test_a_resumed_synchronous_run_continues_bitwise(tmp_path, world_size, pp_size, schedule, optimizer, ef):
     for row in run_ranks(world_size, _resume_equals_straight_run, pp_size, schedule, optimizer, ef, str(tmp_path)):
         assert row == dict(loss_diff=0.0, param_diff=0.0), row
+
+
+def _train_and_save(rank, world_size, output_dir):
+    from hf_asyncpp.checkpoint.checkpoints import save_checkpoint
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), 2)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        engine = PipelineEngine(_config(layout, "1f1b", "adamw", False, output_dir), model_config, layout)
+        _steps(engine, _rows(layout, model_config.vocab_size), 0, 1)
+        save_checkpoint(engine, layout, output_dir, 1, {"tokens_seen": 0})
+    finally:
+        shutdown_parallel()
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    run_ranks(2, _train_and_save, str(out))
+    return out / "checkpoint-1"
+
+
+def _validation_error(checkpoint, tmp_path) -> str:
+    from hf_asyncpp.config import ConfigError, TrainConfig, validate_config
+
+    config = TrainConfig(model_config="tiny-qwen3-moe", resume_from_checkpoint=str(checkpoint),
+                         output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, 2)
+    assert not (tmp_path / "out").exists()
+    return str(err.value)
+
+
+def _copy(checkpoint, tmp_path):
+    import shutil
+
+    return shutil.copytree(checkpoint, tmp_path / checkpoint.name)
+
+
+def test_a_truncated_checkpoint_file_is_named_before_anything_starts(saved_checkpoint, tmp_path):
+    copy = _copy(saved_checkpoint, tmp_path)
+    shard = sorted(copy.glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    message = _validation_error(copy, tmp_path)
+    assert shard.name in message and "truncated" in message
+    assert shard.read_bytes() == data[: len(data) // 2]  # nothing was overwritten or repaired
+
+
+def test_a_missing_or_altered_file_is_named(saved_checkpoint, tmp_path):
+    copy = _copy(saved_checkpoint, tmp_path)
+    (copy / ".metadata").unlink()
+    assert ".metadata is missing" in _validation_error(copy, tmp_path)
+    copy2 = _copy(saved_checkpoint, tmp_path / "second")
+    shard = sorted(copy2.glob("*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert f"{shard.name} is damaged" in _validation_error(copy2, tmp_path)
+
+
+def test_an_interrupted_save_is_never_taken_for_a_checkpoint(saved_checkpoint, tmp_path):
+    from hf_asyncpp.checkpoint.checkpoints import list_checkpoints
+
+    partial = _copy(saved_checkpoint, tmp_path)
+    (partial / "manifest.json").unlink()  # what a save killed before its last write leaves
+    partial.rename(tmp_path / "checkpoint-2.partial")
+    assert list_checkpoints(tmp_path) == []
+    assert "not a complete checkpoint" in _validation_error(tmp_path / "checkpoint-2.partial", tmp_path)
+    assert "holds no complete checkpoint" in _validation_error("latest", tmp_path)
+
+
+def _digests(engine) -> dict[str, str]:
+    """sha1 of every whole weight and whole AdamW moment this rank's stages hold."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    def whole(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous()
+
+    digests = {f"model.{n}": hashlib.sha1(t.numpy().tobytes()).hexdigest() for n, t in engine.stage_state_dict().items()}
+    for updater in engine.updaters:
+        names = {id(p): n for module in engine.modules for n, p in module.named_parameters()}
+        for p, state in updater.optimizer.state.items():
+            digests[f"exp_avg.{names[id(p)]}"] = hashlib.sha1(whole(state["exp_avg"]).numpy().tobytes()).hexdigest()
+    return digests
+
+
+def _save_or_load(rank, world_size, pp_size, schedule, output_dir, save):
+    from hf_asyncpp.checkpoint.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), pp_size)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        engine = PipelineEngine(_config(layout, schedule, "adamw", True, output_dir), model_config, layout)
+        if save:
+            _steps(engine, _rows(layout, model_config.vocab_size), 0, 2)
+            save_checkpoint(engine, layout, output_dir, 2, {})
+        else:
+            load_checkpoint(engine, layout, find_checkpoint("latest", output_dir))
+        return _digests(engine)
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_loads_into_another_dp_and_pp_layout(tmp_path):
+    """Saved from pp 2 × dp 2 (FSDP2 shards); loaded at pp 2 × dp 1 (whole tensors) and pp 1 × dp 2
+    (one stage, resharded): every weight and optimizer moment is the same, bit for bit."""
+    def merged(reports):
+        return {k: v for report in reports for k, v in report.items()}
+
+    saved = merged(run_ranks(4, _save_or_load, 2, "1f1b", str(tmp_path), True))
+    for world_size, pp_size, schedule in [(2, 2, "1f1b"), (2, 1, "gpipe")]:
+        loaded = merged(run_ranks(world_size, _save_or_load, pp_size, schedule, str(tmp_path), False))
+        assert loaded == saved, [k for k in saved if loaded.get(k) != saved[k]][:5]

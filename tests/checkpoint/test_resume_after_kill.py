@@ -1,0 +1,81 @@
+"""A rank killed with SIGKILL mid-run loses nothing that was checkpointed, and resuming continues the
+same trajectory bitwise.
+
+Three runs of training_scripts/train.py under torchrun (pp = 2, 1F1B, AdamW + Error Feedback, fp32,
+fixed seeds, save_steps 3): one straight through; one whose rank 1 is SIGKILLed once a checkpoint
+exists; then the same command with `--resume_from_checkpoint latest`. Every checkpoint that the
+killed run left marked complete verifies (sizes and checksums of all its files), and the resumed
+run's per-step losses (metrics.jsonl, including the steps logged before the kill) and exported
+weights equal the straight run's exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_asyncpp.checkpoint.checkpoints import list_checkpoints, verify_checkpoint
+from tests.test_engine import small_model_config
+from tests.test_run import _env
+
+SEQ, MBS, M, STEPS, SAVE_EVERY = 16, 2, 4, 30, 3
+
+
+def _setup(tmp_path):
+    config = small_model_config("tiny-qwen3-moe")
+    config.vocab_size = 8192  # the built-in tokenizer's
+    config.save_pretrained(tmp_path / "model")
+    rows = torch.randint(0, 8192, (STEPS * MBS * M, SEQ), generator=torch.Generator().manual_seed(0))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
+
+
+def _command(tmp_path, out, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "training_scripts/train.py",
+            "--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
+            "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches", str(M), "--pp_size", "2",
+            "--schedule", "1f1b", "--optimizer", "adamw", "--ef", "true", "--learning_rate", "3e-3",
+            "--warmup_steps", "3", "--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY),
+            "--save_total_limit", "2", "--threads_per_rank", "1", "--output_dir", str(out), *extra]
+
+
+def _losses(out) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+@pytest.mark.multirank
+def test_a_run_killed_mid_training_resumes_from_its_latest_checkpoint_bitwise(tmp_path):
+    _setup(tmp_path)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run(_command(tmp_path, straight), check=True, env=_env(), capture_output=True, timeout=600)
+
+    launcher = subprocess.Popen(_command(tmp_path, killed), env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list_checkpoints(killed) and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.02)
+    ranks = psutil.Process(launcher.pid).children(recursive=True)
+    victim = next(p for p in ranks if "train.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
+    victim.send_signal(signal.SIGKILL)
+    assert launcher.wait(timeout=120) != 0  # the launcher reports the lost rank
+    assert not (killed / "final").exists()
+    left = list_checkpoints(killed)
+    assert left and int(left[-1].name.split("-")[1]) < STEPS, "the kill came after the run had finished"
+    for checkpoint in left:
+        verify_checkpoint(checkpoint)  # raises if any file of a complete-looking checkpoint is bad
+
+    subprocess.run(_command(tmp_path, killed, "--resume_from_checkpoint", "latest"), check=True, env=_env(),
+                   capture_output=True, timeout=600)
+    assert _losses(killed) == _losses(straight)
+    assert len(_losses(straight)) == STEPS
+    expected, resumed = load_file(straight / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
+    assert expected.keys() == resumed.keys()
+    assert all(torch.equal(expected[k], resumed[k]) for k in expected)
