@@ -155,6 +155,23 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_async_checkpoints(spec, config: TrainConfig) -> None:
+    """Asynchronous pipelines resume by replaying the actions whose updates were still due
+    (schedules/async_order.py: replay_after); that needs every update unit applied on all stages or on
+    none at a step boundary. The single-process emulator's held-back gradients are not saved."""
+    from .schedules import ScheduleError
+    from .schedules.async_order import replay_after
+
+    if spec.synchronous:
+        return
+    _require(config.pp_size > 1, f"training checkpoints of the emulated schedule '{spec.name}' (pp_size 1) are "
+             "not supported; run it on a pipeline (pp_size >= 2) or use save_final for an HF export")
+    try:
+        replay_after(spec.order, config.pp_size, config.n_microbatches, 0, 2)
+    except ScheduleError as err:
+        raise ConfigError(f"training checkpoints are not supported for schedule '{spec.name}': {err}") from None
+
+
 def _check_resume(config: TrainConfig) -> None:
     from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
 
@@ -213,12 +230,8 @@ def validate_config(config: TrainConfig, world_size: int):
         spec = get_schedule_spec(config.schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    _require(
-        spec.synchronous or not (config.save_steps or config.resume_from_checkpoint),
-        f"training checkpoints (save_steps, resume_from_checkpoint) of the asynchronous schedule "
-        f"'{spec.name}' are not supported yet (its in-flight microbatches and stashed versions are not "
-        "saved); use a synchronous schedule, or save_final for an HF export",
-    )
+    if config.save_steps or config.resume_from_checkpoint:
+        _check_async_checkpoints(spec, config)
     _require(
         world_size % config.pp_size == 0,
         f"world size {world_size} is not divisible by pp_size {config.pp_size}; "

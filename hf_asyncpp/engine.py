@@ -297,6 +297,12 @@ class PipelineEngine:
         self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]
         return StepResult(self.step_count, lr, rows.numel() * self.layout.dp_size, step_time, busy, reduced)
 
+    def resume_after(self, step: int) -> None:
+        """Continue after `step` completed steps whose training state was just loaded."""
+        self.step_count = step
+        if self.versioned:
+            self.schedule.resume_after(step)
+
     def finish(self) -> None:
         """Wait for every step's statistics reduction and in-flight send (call before tearing down
         process groups)."""

@@ -80,7 +80,7 @@ def train(config, model_config, launch) -> dict:
             path = find_checkpoint(config.resume_from_checkpoint, config.output_dir)
             resumed = load_checkpoint(engine, layout, path)
             start_step, tokens_seen = resumed["step"], resumed["tokens_seen"]
-            engine.step_count = start_step
+            engine.resume_after(start_step)
             if layout.is_main:
                 print(f"[hf_asyncpp] resumed from {path} after step {start_step}")
         writer = MetricsWriter(config.output_dir, start_step if config.resume_from_checkpoint else None) \

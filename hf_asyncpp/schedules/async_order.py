@@ -17,7 +17,7 @@ from torch.distributed.pipelining.schedules import FORWARD, _Action
 
 from .validate import ScheduleError
 
-__all__ = ["AsyncOrder", "check_versions"]
+__all__ = ["AsyncOrder", "check_versions", "replay_after"]
 
 
 class AsyncOrder:
@@ -91,3 +91,32 @@ def check_versions(order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps
                         f"{where}: update {done + 1} overwrites buffer {written} while microbatches {clash} wait "
                         "for their backward"
                     )
+
+
+def replay_after(order: AsyncOrder, pp_size: int, n_microbatches: int, step: int, n_steps: int) -> dict[int, list[_Action]]:
+    """Per rank, what a run resumed after `step` (steps 0..step done) re-executes, in its original
+    order, before step `step + 1`'s segment: every action of an update unit that no stage has
+    updated yet. Forwards rebuild in-flight activations (and resend pending activations, because
+    the peer replays its side too), backwards rebuild pending gradient sums; all are deterministic
+    functions of the saved weight versions and the data, so the resumed run continues the same
+    trajectory without saving activations or messages.
+
+    Raises ScheduleError when a unit is updated on some stages before the boundary and on others
+    after it (e.g. WPipe): replaying it would apply part of its gradient twice."""
+    m = n_microbatches
+    before = {r: [a for k in range(step + 1) for a in order.segment(r, pp_size, m, k, n_steps)] for r in range(pp_size)}
+    stages = {a.stage_index for ops in before.values() for a in ops}
+
+    def updates(a: _Action) -> bool:
+        return a.computation_type != FORWARD and (order.per_microbatch_updates or a.microbatch_index % m == m - 1)
+
+    updated = {(a.stage_index, order.unit(a.microbatch_index, m)) for ops in before.values() for a in ops if updates(a)}
+    started = {order.unit(a.microbatch_index, m) for ops in before.values() for a in ops}
+    finished = {u for u in started if all((s, u) in updated for s in stages)}
+    straddling = sorted({u for _, u in updated} - finished)
+    if straddling:
+        raise ScheduleError(
+            f"{order.name}: after step {step}, update unit(s) {straddling} are applied on some stages but not on "
+            "others; a run cannot resume at this step boundary by replay"
+        )
+    return {r: [a for a in ops if order.unit(a.microbatch_index, m) not in finished] for r, ops in before.items()}

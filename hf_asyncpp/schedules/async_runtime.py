@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import FORWARD, _Action, _batch_p2p, _PipelineScheduleRuntime, _wait_batch_p2p
 
-from .async_order import AsyncOrder
+from .async_order import AsyncOrder, replay_after
 from .validate import lower_in_order
 from .weight_versions import VersionedStage
 
@@ -61,6 +61,7 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
         self._rows: dict[int, torch.Tensor] = {}  # minibatch index → its rows, while it may be forwarded
         self._in_flight: set[tuple[int, int]] = set()  # (stage, microbatch) forwarded, not yet backwarded
         self._pending_sends: list = []  # issued sends (lists of Work) not yet known to be complete
+        self._replay: list[_Action] = []  # run before the next segment when resuming (async_order.replay_after)
         self.step_index = 0
 
     # --- torch hooks --------------------------------------------------------------------------
@@ -126,7 +127,8 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
         the order forwards ahead (pass `next_rows`; None on the last step)."""
         step, m = self.step_index, self.m
         self._rows.update({k: r for k, r in ((step, rows), (step + 1, next_rows)) if r is not None})
-        ops = self.order.segment(self.rank, self.pp_size, m, step, self.n_steps)
+        ops = self._replay + self.order.segment(self.rank, self.pp_size, m, step, self.n_steps)
+        self._replay = []
         arg_mbs: list = [()] * self.n_slots
         target_mbs: list = [None] * self.n_slots
         last_stage = self._num_stages - 1
@@ -150,6 +152,12 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
                 arg_mbs[slot] = (microbatch,)
             if a.stage_index == last_stage:
                 target_mbs[slot] = microbatch
+        if not self._stages_forward_initialized:
+            # torch infers shapes on its first call from slot 0's microbatch, which a resumed run's
+            # first segment may not use: any microbatch of this segment serves (only shapes matter).
+            arg_mbs[0] = arg_mbs[0] or next((a for a in arg_mbs if a), ())
+            target_mbs[0] = target_mbs[0] if target_mbs[0] is not None else next(
+                (t for t in target_mbs if t is not None), None)
         lowered = [
             _Action(a.stage_index, a.computation_type, a.microbatch_index % self.n_slots)
             for a in lower_in_order(ops, self.stage_index_to_group_rank.__getitem__, self._num_stages, sends=False)
@@ -162,6 +170,14 @@ class AsyncPipelineSchedule(_PipelineScheduleRuntime):
         self._rows = {k: r for k, r in self._rows.items() if k > step - 2}
         self._pending_sends = [works for works in self._pending_sends if not all(w.is_completed() for w in works)]
         self.step_index += 1
+
+    def resume_after(self, step: int) -> None:
+        """Continue a run whose steps 0..step−1 were done before it was saved (weights, versions and
+        optimizer state already loaded): the next `run_step` is step `step`, preceded by the replay
+        of the actions whose updates were still due, which rebuilds the in-flight state exactly."""
+        self.step_index = step
+        if step > 0:
+            self._replay = replay_after(self.order, self.pp_size, self.m, step - 1, self.n_steps)[self.rank]
 
     def finish(self) -> None:
         """Wait for the sends still in flight (call once training has run its last step)."""

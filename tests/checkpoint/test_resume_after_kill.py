@@ -1,8 +1,8 @@
 """A rank killed with SIGKILL mid-run loses nothing that was checkpointed, and resuming continues the
 same trajectory bitwise.
 
-Three runs of training_scripts/train.py under torchrun (pp = 2, 1F1B, AdamW + Error Feedback, fp32,
-fixed seeds, save_steps 3): one straight through; one whose rank 1 is SIGKILLed once a checkpoint
+Three runs of training_scripts/train.py under torchrun (pp = 2, 1F1B or PipeDream-2BW, AdamW + Error
+Feedback, fp32, fixed seeds, save_steps 3; 2BW saves with microbatches in flight): one straight through; one whose rank 1 is SIGKILLed once a checkpoint
 exists; then the same command with `--resume_from_checkpoint latest`. Every checkpoint that the
 killed run left marked complete verifies (sizes and checksums of all its files), and the resumed
 run's per-step losses (metrics.jsonl, including the steps logged before the kill) and exported
@@ -37,11 +37,11 @@ def _setup(tmp_path):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
 
 
-def _command(tmp_path, out, *extra):
+def _command(tmp_path, out, schedule, *extra):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "training_scripts/train.py",
             "--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
             "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches", str(M), "--pp_size", "2",
-            "--schedule", "1f1b", "--optimizer", "adamw", "--ef", "true", "--learning_rate", "3e-3",
+            "--schedule", schedule, "--optimizer", "adamw", "--ef", "true", "--learning_rate", "3e-3",
             "--warmup_steps", "3", "--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY),
             "--save_total_limit", "2", "--threads_per_rank", "1", "--output_dir", str(out), *extra]
 
@@ -52,12 +52,13 @@ def _losses(out) -> dict[int, float]:
 
 
 @pytest.mark.multirank
-def test_a_run_killed_mid_training_resumes_from_its_latest_checkpoint_bitwise(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream-2bw"])
+def test_a_run_killed_mid_training_resumes_from_its_latest_checkpoint_bitwise(tmp_path, schedule):
     _setup(tmp_path)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run(_command(tmp_path, straight), check=True, env=_env(), capture_output=True, timeout=600)
+    subprocess.run(_command(tmp_path, straight, schedule), check=True, env=_env(), capture_output=True, timeout=600)
 
-    launcher = subprocess.Popen(_command(tmp_path, killed), env=_env(), stdout=subprocess.DEVNULL,
+    launcher = subprocess.Popen(_command(tmp_path, killed, schedule), env=_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not list_checkpoints(killed) and time.time() < deadline and launcher.poll() is None:
@@ -72,7 +73,7 @@ def test_a_run_killed_mid_training_resumes_from_its_latest_checkpoint_bitwise(tm
     for checkpoint in left:
         verify_checkpoint(checkpoint)  # raises if any file of a complete-looking checkpoint is bad
 
-    subprocess.run(_command(tmp_path, killed, "--resume_from_checkpoint", "latest"), check=True, env=_env(),
+    subprocess.run(_command(tmp_path, killed, schedule, "--resume_from_checkpoint", "latest"), check=True, env=_env(),
                    capture_output=True, timeout=600)
     assert _losses(killed) == _losses(straight)
     assert len(_losses(straight)) == STEPS

@@ -294,3 +294,12 @@ def test_add_unshard_reshard_gathers_a_stage_before_its_first_compute_and_releas
     """The forward-only (evaluation) program of FSDP stages relies on it (schedules/runtime.py)."""
     program = _add_unshard_reshard(parse({0: "0F0 0F1"})[0])
     assert " ".join(str(a) for a in program) == "0UNSHARD 0F0 0F1 0RESHARD"
+
+
+def test_runtime_records_whether_its_stages_were_initialised():
+    """The asynchronous runtime gives torch's one-time shape inference a microbatch in slot 0 when a
+    resumed run's first segment has none there (schedules/async_runtime.py)."""
+    source = inspect.getsource(torch_schedules.PipelineScheduleMulti._initialize_stages)
+    assert "_stages_forward_initialized" in source
+    source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
+    assert "target_mbs[0]" in source and "arg_mbs[0]" in source
