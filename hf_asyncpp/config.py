@@ -71,6 +71,7 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     logging_steps: int = 1
     save_final: bool = True
+    max_shard_size: str = "5GB"  # the export's safetensors files: one below this size, shards + index above
     save_steps: int = 0  # write a training checkpoint every N steps (0: never)
     save_total_limit: int | None = None  # keep only the newest N checkpoints
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir
@@ -215,6 +216,12 @@ def validate_config(config: TrainConfig, world_size: int):
     _require(config.soap_max_precond_dim >= 1,
              f"soap_max_precond_dim must be at least 1 (longer sides stay unrotated), got {config.soap_max_precond_dim}")
     _require(config.ef_lambda >= 0, f"ef_lambda must be >= 0, got {config.ef_lambda}")
+    try:
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        parse_size_to_int(config.max_shard_size)
+    except ValueError:
+        raise ConfigError(f"max_shard_size must be a size such as 5GB or 500MB, got '{config.max_shard_size}'") from None
     _require(config.save_steps >= 0, f"save_steps must be >= 0 (0: no checkpoints), got {config.save_steps}")
     _require(config.save_total_limit is None or config.save_total_limit >= 1,
              f"save_total_limit must be at least 1, got {config.save_total_limit}")

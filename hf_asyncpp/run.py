@@ -58,7 +58,7 @@ def train(config, model_config, launch) -> dict:
     """Run training on this rank; returns the last logged record (main process; {} elsewhere)."""
     from tqdm.auto import tqdm
 
-    from .checkpoint import export_hf_model, gather_full_state_dict
+    from .checkpoint import export_hf_model
     from .checkpoint.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
     from .data import MinibatchSampler, build_token_blocks, load_tokenizer
     from .engine import PipelineEngine
@@ -120,9 +120,9 @@ def train(config, model_config, launch) -> dict:
         if writer:
             writer.close()
         if config.save_final:
-            full_state = gather_full_state_dict(engine.stage_state_dict(), layout)
+            out = export_hf_model(engine.stage_state_dict(), layout, model_config, tokenizer,
+                                  Path(config.output_dir) / "final", config.max_shard_size)
             if layout.is_main:
-                out = export_hf_model(full_state, model_config, tokenizer, Path(config.output_dir) / "final")
                 print(f"[hf_asyncpp] saved {out}")
         return record
     finally:

@@ -1,5 +1,7 @@
-"""Model export (HF safetensors) and, later, resumable training state."""
+"""HF safetensors export, and resumable training checkpoints (torch.distributed.checkpoint)."""
 
-from .hf_export import export_hf_model, gather_full_state_dict
+from .checkpoints import CheckpointError, find_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .hf_export import export_hf_model, gather_full_state_dict, on_disk_state
 
-__all__ = ["export_hf_model", "gather_full_state_dict"]
+__all__ = ["CheckpointError", "export_hf_model", "find_checkpoint", "gather_full_state_dict", "list_checkpoints",
+           "load_checkpoint", "on_disk_state", "save_checkpoint"]

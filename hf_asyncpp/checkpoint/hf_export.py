@@ -1,22 +1,33 @@
 """Export the pipelined model as an ordinary HF model directory (`from_pretrained` loads it).
 
-Each pipeline stage holds its parameters under their HF names; the first data-parallel replica of
-every stage sends them to global rank 0, which assembles the model and writes it with
-`save_pretrained` — so the safetensors keys are exactly the ones transformers writes (per-expert
-on-disk names included) — plus the tokenizer and generation config. The directory is written under a
-temporary name and renamed at the end, so a crash never leaves a complete-looking export.
+Each pipeline stage holds its parameters under their HF names. `export_hf_model` has the
+first data-parallel replica of every stage convert its own part to the names `save_pretrained`
+writes on disk (transformers' `revert_weight_conversion`: fused expert tensors become per-expert
+weights) and write it: below `max_shard_size` in all, the parts go to global rank 0, which writes
+one `model.safetensors`; above it, every stage writes its own shard files in parallel
+(`model-0000i-of-0000N.safetensors`) and rank 0 writes `model.safetensors.index.json`, so no rank
+ever holds more than its stages. Rank 0 adds config.json, generation_config.json and the tokenizer.
+The directory is written under a temporary name and renamed at the end, so a crash never leaves a
+complete-looking export. What is exported is each stage's master copy: the newest weights, with
+Error Feedback's correction applied (the extrapolated point, not a stashed version).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub.serialization._base import parse_size_to_int
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-__all__ = ["gather_full_state_dict", "export_hf_model"]
+__all__ = ["export_hf_model", "gather_full_state_dict", "on_disk_state"]
 
 
 def gather_full_state_dict(stage_state: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor] | None:
@@ -33,19 +44,89 @@ def gather_full_state_dict(stage_state: dict[str, torch.Tensor], layout) -> dict
     return full
 
 
-def export_hf_model(full_state: dict[str, torch.Tensor], model_config, tokenizer, out_dir: str | Path) -> Path:
-    """Write `full_state` as an HF model directory at out_dir (call on one process)."""
+def _meta_model(model_config):
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+
+
+def on_disk_state(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """`state` (in-memory HF names, whole layers) under the names and layout save_pretrained writes."""
+    disk = revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(state), model))
+    # Per-expert weights are views of one fused tensor; safetensors stores tensors that own their memory.
+    return {k: v.detach().contiguous().clone() for k, v in disk.items()}
+
+
+def _write_shards(disk: dict, first_index: int, n_files: int, directory: Path, plan) -> dict[str, str]:
+    weight_map = {}
+    for i, names in enumerate(plan.filename_to_tensors.values()):
+        filename = f"model-{first_index + i + 1:05d}-of-{n_files:05d}.safetensors"
+        save_file({n: disk[n] for n in names}, str(directory / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, filename))
+    return weight_map
+
+
+def _write_stage_files(stage_state, layout, model_config, staging: Path, max_shard_size) -> str | None:
+    """This stage's part of the weights files (dp rank 0 of every stage); a message if the stages do
+    not cover the model (then nothing is written)."""
+    model = _meta_model(model_config)
+    disk = on_disk_state(stage_state, model)
+    plan = split_torch_state_dict_into_shards(disk, max_shard_size=max_shard_size)
+    parts = [None] * layout.pp_size
+    size = sum(v.numel() * v.element_size() for v in disk.values())
+    dist.all_gather_object(parts, (sorted(disk), size, len(plan.filename_to_tensors)), group=layout.pp_group)
+    expected = set(on_disk_state(model.state_dict(), model))
+    written = {k for keys, _, _ in parts for k in keys}
+    if written != expected:
+        return (f"stage parameters do not cover the model: missing {sorted(expected - written)}, "
+                f"unexpected {sorted(written - expected)}")
+    total = sum(size for _, size, _ in parts)
+    limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    if total <= limit:  # one file, as save_pretrained writes a model this small
+        gathered = [None] * layout.pp_size if layout.rank == 0 else None
+        dist.gather_object(disk, gathered, group=layout.pp_group, group_dst=0)
+        if layout.rank == 0:
+            whole = {k: v for part in gathered for k, v in part.items()}
+            save_file(whole, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        return None
+    first = sum(n for _, _, n in parts[:layout.pp_rank])
+    weight_map = _write_shards(disk, first, sum(n for _, _, n in parts), staging, plan)
+    maps = [None] * layout.pp_size if layout.rank == 0 else None
+    dist.gather_object(weight_map, maps, group=layout.pp_group, group_dst=0)
+    if layout.rank == 0:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted((k, v) for m in maps for k, v in m.items()))}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return None
+
+
+def export_hf_model(stage_state: dict[str, torch.Tensor], layout, model_config, tokenizer, out_dir,
+                           max_shard_size: str | int = "5GB") -> Path:
+    """Write the whole model from the stages (collective: every rank calls it with its stages' whole
+    tensors, `PipelineEngine.stage_state_dict()`). Returns the directory."""
     out_dir = Path(out_dir)
     staging = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(full_state, strict=False, assign=True)
-    if missing or unexpected:
-        raise RuntimeError(f"stage parameters do not cover the model: missing {missing}, unexpected {unexpected}")
-    model.save_pretrained(staging)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    staging.rename(out_dir)
+    if layout.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    problem = [None]
+    if layout.dp_rank == 0:  # one writer per stage; the pp group of dp rank 0 holds every stage once
+        problem = [_write_stage_files(stage_state, layout, model_config, staging, max_shard_size)]
+    dist.broadcast_object_list(problem, src=0)  # every rank stops, or goes on, together
+    if problem[0]:
+        if layout.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(problem[0])
+    if layout.is_main:
+        model_config.save_pretrained(staging)
+        generation = GenerationConfig.from_model_config(model_config)
+        if generation is not None:
+            generation.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+    dist.barrier()
+    if layout.is_main:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        staging.rename(out_dir)
+    dist.barrier()
     return out_dir
