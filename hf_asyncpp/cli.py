@@ -1,5 +1,6 @@
-"""The `hf-asyncpp` command: `hf-asyncpp train --config ...` (same as training_scripts/train.py)
-and `hf-asyncpp schedules` (print each registered schedule's action lists)."""
+"""The `hf-asyncpp` command: `hf-asyncpp train --config ...` (same as training_scripts/train.py),
+`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub) and `hf-asyncpp schedules` (print
+each registered schedule's action lists)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,29 @@ _USAGE = """usage: hf-asyncpp <command> [args]
 
 commands:
   train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1)
+  push DIR REPO_ID [--private]               upload an exported model directory (e.g. outputs/run/final)
+                                            to the Hub; the token comes from HF_TOKEN or `hf auth login`
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
 """
+
+
+def _push(argv: list[str]) -> int:
+    import argparse
+
+    from .hub import push_to_hub
+
+    parser = argparse.ArgumentParser(prog="hf-asyncpp push")
+    parser.add_argument("folder")
+    parser.add_argument("repo_id")
+    parser.add_argument("--private", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        url = push_to_hub(args.folder, args.repo_id, private=args.private)
+    except Exception as err:  # network, auth, server: one line, local files untouched
+        print(f"error: upload of {args.folder} to {args.repo_id} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print(f"[hf_asyncpp] pushed {args.folder} to {args.repo_id}: {url}")
+    return 0
 
 
 def _show_schedules(argv: list[str]) -> int:
@@ -47,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(rest)
     if command == "schedules":
         return _show_schedules(rest)
+    if command == "push":
+        return _push(rest)
     print(f"unknown command '{command}'\n{_USAGE}", file=sys.stderr)
     return 2
 

@@ -71,6 +71,8 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     logging_steps: int = 1
     save_final: bool = True
+    push_to_hub: bool = False  # upload final/ (weights, tokenizer, model card) to hub_model_id at the end
+    hub_model_id: str | None = None  # "namespace/name" on the Hub
     max_shard_size: str = "5GB"  # the export's safetensors files: one below this size, shards + index above
     save_steps: int = 0  # write a training checkpoint every N steps (0: never)
     save_total_limit: int | None = None  # keep only the newest N checkpoints
@@ -222,6 +224,8 @@ def validate_config(config: TrainConfig, world_size: int):
         parse_size_to_int(config.max_shard_size)
     except ValueError:
         raise ConfigError(f"max_shard_size must be a size such as 5GB or 500MB, got '{config.max_shard_size}'") from None
+    _require(not config.push_to_hub or (config.hub_model_id and config.save_final),
+             "push_to_hub needs hub_model_id (namespace/name) and save_final: true")
     _require(config.save_steps >= 0, f"save_steps must be >= 0 (0: no checkpoints), got {config.save_steps}")
     _require(config.save_total_limit is None or config.save_total_limit >= 1,
              f"save_total_limit must be at least 1, got {config.save_total_limit}")

