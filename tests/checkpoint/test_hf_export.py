@@ -1,8 +1,10 @@
-"""Export: the trained pipelined model, written as an HF directory, is an ordinary HF model.
+"""Export: the trained pipelined model, written as an HF directory by its stages, is an ordinary HF model.
 
-A fresh Python process loads `<out>/final` with `AutoModelForCausalLM.from_pretrained` (no custom
-code) and reproduces the logits the pipeline computes for a probe batch after training, to 1e-5
-(fp32; the same ops run in the same order, the bound only absorbs kernel-level reassociation).
+For every supported family: after training on pp = 2, a fresh Python process loads the export with
+`AutoModelForCausalLM.from_pretrained` (no custom code) and reproduces the pipelined logits for a probe
+batch to 1e-5, whether it was written as one file or as per-stage shards with an index; `init_from`
+the export splits it onto the stages again and reproduces them too. The on-disk tensors are exactly
+those `save_pretrained` writes.
 """
 
 from __future__ import annotations
@@ -19,29 +21,39 @@ from hf_asyncpp.parallel.spawn import run_ranks
 PROBE_SEED = 5
 
 
-def _train_and_export(rank, world_size, preset, schedule, out_dir, max_shard_size):
+def _train_export_and_reload(rank, world_size, out_root):
+    """Per family: train 3 steps on pp 2, probe logits, export (one file for half of the families,
+    per-stage shards for the others), then a new engine with init_from = the export probes again.
+    Returns {preset: (pipelined logits, init_from logits)} from the last stage's rank."""
     from hf_asyncpp.checkpoint import export_hf_model
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.data import load_tokenizer
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
-    from tests.test_engine import small_model_config
+    from tests.test_engine import FAMILIES, small_model_config
 
     layout = init_parallel(read_launch(), world_size)
+    results = {}
     try:
-        model_config = small_model_config(preset)
-        config = TrainConfig(model_config=preset, pp_size=world_size, schedule=schedule, optimizer="adamw",
-                             learning_rate=1e-2, seq_len=16, micro_batch_size=2, n_microbatches=4, seed=1)
-        engine = PipelineEngine(config, model_config, layout)
-        gen = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            engine.train_step(torch.randint(0, model_config.vocab_size, (8, 16), generator=gen))
-        probe = torch.randint(0, model_config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(PROBE_SEED))
-        _, _, logits = engine.eval_step(probe)
-        export_hf_model(engine.stage_state_dict(), layout, model_config, load_tokenizer("builtin"), out_dir,
-                        max_shard_size)
-        return None if logits is None else logits.tolist()
+        for i, preset in enumerate(FAMILIES):
+            model_config = small_model_config(preset)
+            config = TrainConfig(model_config=preset, pp_size=world_size, schedule="1f1b", optimizer="adamw",
+                                 learning_rate=1e-2, seq_len=16, micro_batch_size=2, n_microbatches=4, seed=1)
+            engine = PipelineEngine(config, model_config, layout)
+            gen = torch.Generator().manual_seed(0)
+            for _ in range(3):
+                engine.train_step(torch.randint(0, model_config.vocab_size, (8, 16), generator=gen))
+            probe = torch.randint(0, model_config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(PROBE_SEED))
+            _, _, trained = engine.eval_step(probe)
+            out_dir = f"{out_root}/{preset}"
+            export_hf_model(engine.stage_state_dict(), layout, model_config, load_tokenizer("builtin"), out_dir,
+                            "5GB" if i % 2 else "100KB")
+            config.init_from = out_dir
+            _, _, reloaded = PipelineEngine(config, model_config, layout).eval_step(probe)
+            if trained is not None:
+                results[preset] = (trained.tolist(), reloaded.tolist())
+        return results
     finally:
         shutdown_parallel()
 
@@ -49,11 +61,14 @@ def _train_and_export(rank, world_size, preset, schedule, out_dir, max_shard_siz
 _LOAD = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
-AutoTokenizer.from_pretrained(sys.argv[1])
-probe = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(int(sys.argv[2])))
-with torch.no_grad():
-    print(json.dumps(model(probe).logits.tolist()))
+logits = {}
+for directory in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    AutoTokenizer.from_pretrained(directory)
+    probe = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(int(sys.argv[1])))
+    with torch.no_grad():
+        logits[directory] = model(probe).logits.tolist()
+print(json.dumps(logits))
 """
 
 
@@ -74,26 +89,30 @@ def _check_index(out_dir):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("preset, schedule, max_shard_size", [
-    ("tiny-mixtral", "1f1b", "5GB"),  # small: one model.safetensors, as save_pretrained writes it
-    ("tiny-qwen2-moe", "zbv", "100KB"),  # sharded: each rank writes its stages' shard files
-])
-def test_exported_model_reproduces_pipelined_logits_in_a_fresh_process(tmp_path, preset, schedule, max_shard_size):
-    out_dir = tmp_path / "final"
-    results = run_ranks(2, _train_and_export, preset, schedule, str(out_dir), max_shard_size)
-    pipelined = torch.tensor(next(r for r in results if r is not None))
-    assert (out_dir / "tokenizer.json").is_file() and (out_dir / "generation_config.json").is_file()
-    assert not (tmp_path / "final.partial").exists()
-    if max_shard_size == "5GB":
-        assert (out_dir / "model.safetensors").is_file()
-    else:
-        files = _check_index(out_dir)
-        assert len(files) > 2 and files[-1] == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
-    loaded = subprocess.run([sys.executable, "-c", _LOAD, str(out_dir), str(PROBE_SEED)], capture_output=True,
+def test_every_family_exported_reloads_with_the_pipelined_logits_and_init_from_continues_it(tmp_path):
+    """from_pretrained in a fresh process (no custom code) reproduces the pipelined logits (1e-5: the
+    same fp32 ops, reassociated at kernel level at most), and init_from the export gives the pipeline
+    back exactly the trained weights (same stage split, same ops: 1e-6)."""
+    from tests.test_engine import FAMILIES
+
+    (results,) = [r for r in run_ranks(2, _train_export_and_reload, str(tmp_path)) if r]
+    assert set(results) == set(FAMILIES)
+    directories = [str(tmp_path / preset) for preset in FAMILIES]
+    loaded = subprocess.run([sys.executable, "-c", _LOAD, str(PROBE_SEED), *directories], capture_output=True,
                             text=True, check=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
-    reloaded = torch.tensor(json.loads(loaded.stdout.strip().splitlines()[-1]))
-    assert reloaded.shape == pipelined.shape
-    torch.testing.assert_close(reloaded, pipelined, rtol=0, atol=1e-5)
+    reloaded_hf = json.loads(loaded.stdout.strip().splitlines()[-1])
+    for i, preset in enumerate(FAMILIES):
+        out_dir = tmp_path / preset
+        trained, init_from = (torch.tensor(x) for x in results[preset])
+        assert (out_dir / "tokenizer.json").is_file() and (out_dir / "generation_config.json").is_file()
+        assert not (tmp_path / f"{preset}.partial").exists()
+        if i % 2:
+            assert (out_dir / "model.safetensors").is_file()
+        else:
+            files = _check_index(out_dir)
+            assert len(files) > 2 and files[-1] == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
+        torch.testing.assert_close(torch.tensor(reloaded_hf[str(out_dir)]), trained, rtol=0, atol=1e-5, msg=preset)
+        torch.testing.assert_close(init_from, trained, rtol=0, atol=1e-6, msg=preset)
 
 
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"])
