@@ -256,7 +256,10 @@ def validate_config(config: TrainConfig, world_size: int):
         overrides["router_aux_loss_coef"] = config.router_aux_loss_coef
     source = config.init_from or config.model_config
     if config.init_from is not None:
-        _require(os.path.isdir(config.init_from), f"init_from '{config.init_from}' is not a model directory")
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        _require(os.path.isdir(config.init_from) or (not offline and "/" in config.init_from),
+                 f"init_from '{config.init_from}' is not a model directory"
+                 + (" (the Hub is offline: HF_HUB_OFFLINE is set)" if offline else ""))
     try:
         model_config = build_config(source, **overrides)
         family_for(model_config)

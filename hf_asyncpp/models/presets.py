@@ -8,6 +8,7 @@ or a model directory.
 from __future__ import annotations
 
 import os
+import re
 
 from transformers import AutoConfig
 
@@ -52,19 +53,25 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def _hub_id_online(name: str) -> bool:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    return not offline and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+
+
 def build_config(model_config: str, **overrides):
-    """An HF config from a preset name, a config.json path or a model directory."""
+    """An HF config from a preset name, a config.json path, a model directory, or a Hub model id
+    (`namespace/name`, when the Hub is reachable: HF_HUB_OFFLINE unset)."""
     if model_config in PRESETS:
         fields = dict(PRESETS[model_config])
         model_type = fields.pop("model_type")
         fields.update(overrides)
         return AutoConfig.for_model(model_type, **fields)
-    if os.path.isfile(model_config) or os.path.isdir(model_config):
+    if os.path.isfile(model_config) or os.path.isdir(model_config) or _hub_id_online(model_config):
         config = AutoConfig.from_pretrained(model_config)
         for key, value in overrides.items():
             setattr(config, key, value)
         return config
     raise FileNotFoundError(
         f"model_config '{model_config}' is neither a preset ({', '.join(PRESETS)}) "
-        "nor an existing config.json / model directory"
+        "nor an existing config.json / model directory, nor a Hub id (namespace/name) with the Hub online"
     )
