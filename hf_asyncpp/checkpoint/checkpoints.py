@@ -89,7 +89,8 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
     dist.barrier()
     if layout.is_main:
         _write_json(staging / TRAINER_STATE, dict(trainer_state, step=step, pp_size=layout.pp_size,
-                                                  dp_size=layout.dp_size))
+                                                  dp_size=layout.dp_size, schedule=engine.spec.name,
+                                                  n_microbatches=engine.config.n_microbatches))
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in sorted(staging.iterdir())}
         _write_json(staging / MANIFEST, files)  # written last: its presence marks the files complete
         shutil.rmtree(final, ignore_errors=True)
@@ -131,6 +132,12 @@ def load_checkpoint(engine, layout, path: Path) -> dict:
     if isinstance(verdict[0], Exception):
         raise verdict[0]
     trainer_state = verdict[0]
+    if engine.versioned:  # in-flight state is replayed by the order: it must be the same order
+        saved = {k: trainer_state.get(k) for k in ("pp_size", "schedule", "n_microbatches")}
+        current = dict(pp_size=layout.pp_size, schedule=engine.spec.name, n_microbatches=engine.config.n_microbatches)
+        if saved != current:
+            raise CheckpointError(f"checkpoint {path} was saved by an asynchronous run with {saved}; resuming it needs "
+                                  f"the same pp_size, schedule and n_microbatches (this run: {current})")
     reader = FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     try:
