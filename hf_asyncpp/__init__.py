@@ -3,7 +3,8 @@ Mixture-of-Experts causal LMs on torch.distributed.pipelining."""
 
 from .checkpoint import export_hf_model, gather_full_state_dict
 from .config import ConfigError, TrainConfig, load_config, validate_config
-from .engine import PipelineEngine, PipelineLoss, StepResult, build_full_model
+from .engine import PipelineEngine, build_full_model
+from .metrics import StepResult
 from .models import (
     FAMILIES,
     PRESETS,
@@ -14,6 +15,7 @@ from .models import (
     build_stage_modules,
     plan_stages,
 )
+from .models.pipeline_loss import PipelineLoss
 from .optim.delay import StalenessEmulator
 from .schedules import SCHEDULES, ScheduleSpec, check_schedule, get_schedule_spec, register_schedule
 from .schedules.async_order import AsyncOrder

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, get_scheduler
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .config import TrainConfig
 from .emulation import EmulatedPipeline
 from .memory import state_bytes
-from .metrics import ComputeTimer, ReducedStepStats, idle_fraction
-from .models import build_stage_modules, load_balancing_loss, plan_stages
+from .metrics import ComputeTimer, ReducedStepStats, StepResult, idle_fraction
+from .models import build_stage_modules, plan_stages
+from .models.pipeline_loss import PipelineLoss
 from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
@@ -33,78 +32,7 @@ from .schedules import build_schedule, get_schedule_spec
 from .schedules.async_runtime import AsyncPipelineSchedule
 from .schedules.weight_versions import VersionedStage
 
-__all__ = ["PipelineEngine", "PipelineLoss", "StepResult", "build_full_model"]
-
-
-@dataclass
-class StepResult:
-    """What one step did. Losses, idle fractions and the gradient norm come from every rank through
-    one asynchronous all-reduce (so asynchronous schedules never wait on each other); reading them
-    waits for it."""
-
-    step: int
-    lr: float
-    tokens: int  # tokens consumed by this step, all dp ranks
-    step_time_s: float
-    busy_s: float  # this rank's time inside stage compute
-    reduced: "ReducedStepStats"
-
-    @property
-    def idle_fraction(self) -> float:
-        """This rank's share of the step outside stage compute."""
-        return idle_fraction(self.busy_s, self.step_time_s)
-
-    @property
-    def loss(self) -> float:
-        """Language-model cross entropy, mean over the minibatch's microbatches and dp replicas."""
-        return self.reduced.value("loss")
-
-    @property
-    def aux_loss(self) -> float:
-        """Load-balancing loss before its coefficient (0 for models without one)."""
-        return self.reduced.value("aux_loss")
-
-    @property
-    def grad_norm(self) -> float:
-        """Global L2 norm of the gradient before clipping, over all stages."""
-        return self.reduced.value("grad_norm")
-
-    @property
-    def idle_fraction_per_rank(self) -> list[float]:
-        return self.reduced.value("idle_fraction_per_rank")
-
-    @property
-    def weight_version_age_per_stage(self) -> list[int]:
-        """Per stage: updates between the weights this step's gradient was taken at and the weights
-        it was applied to (0 synchronous; 1 for PipeDream-2BW after its first step)."""
-        return self.reduced.value("weight_version_age_per_stage")
-
-
-class PipelineLoss:
-    """Loss of the last stage's output for one microbatch: HF's causal-LM loss + coef × aux loss.
-
-    Records each microbatch's (LM loss, aux loss) so they can be reported separately. torch's
-    stage also calls the loss once on its first step to infer gradient shapes (on a placeholder
-    target); `take(n)` therefore keeps the last n records, the step's real microbatches.
-    """
-
-    def __init__(self, vocab_size: int, aux_coef: float):
-        self.vocab_size, self.aux_coef = vocab_size, aux_coef
-        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
-        logits, router_stats = output if isinstance(output, tuple) else (output, None)
-        lm_loss = ForCausalLMLoss(logits, target, self.vocab_size)
-        if router_stats is None:
-            self.records.append((lm_loss.detach(), torch.zeros((), device=lm_loss.device)))
-            return lm_loss
-        aux_loss = load_balancing_loss(router_stats)
-        self.records.append((lm_loss.detach(), aux_loss.detach()))
-        return lm_loss + self.aux_coef * aux_loss
-
-    def take(self, n_microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        records, self.records = self.records[-n_microbatches:], []
-        return records
+__all__ = ["PipelineEngine", "build_full_model"]
 
 
 def build_full_model(config: TrainConfig, model_config) -> torch.nn.Module:

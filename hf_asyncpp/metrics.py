@@ -1,13 +1,15 @@
-"""Measurements of a step: compute time per rank (hence idle / bubble fraction), tokens/s, and
-the metrics.jsonl writer."""
+"""Measurements of a step: compute time per rank (hence idle / bubble fraction), the step's
+statistics reduced over all ranks (`ReducedStepStats`, read through `StepResult`), tokens/s, and the
+metrics.jsonl writer."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ComputeTimer", "MetricsWriter", "idle_fraction", "theoretical_bubble"]
+__all__ = ["ComputeTimer", "MetricsWriter", "ReducedStepStats", "StepResult", "idle_fraction", "theoretical_bubble"]
 
 _COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -119,3 +121,47 @@ class ReducedStepStats:
                 "weight_version_age_per_stage": [int(x) for x in v[4 + self._world_size:]],
             }
         return self._values[key]
+
+
+@dataclass
+class StepResult:
+    """What one step did. Losses, idle fractions and the gradient norm come from every rank through
+    one asynchronous all-reduce (so asynchronous schedules never wait on each other); reading them
+    waits for it."""
+
+    step: int
+    lr: float
+    tokens: int  # tokens consumed by this step, all dp ranks
+    step_time_s: float
+    busy_s: float  # this rank's time inside stage compute
+    reduced: "ReducedStepStats"
+
+    @property
+    def idle_fraction(self) -> float:
+        """This rank's share of the step outside stage compute."""
+        return idle_fraction(self.busy_s, self.step_time_s)
+
+    @property
+    def loss(self) -> float:
+        """Language-model cross entropy, mean over the minibatch's microbatches and dp replicas."""
+        return self.reduced.value("loss")
+
+    @property
+    def aux_loss(self) -> float:
+        """Load-balancing loss before its coefficient (0 for models without one)."""
+        return self.reduced.value("aux_loss")
+
+    @property
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient before clipping, over all stages."""
+        return self.reduced.value("grad_norm")
+
+    @property
+    def idle_fraction_per_rank(self) -> list[float]:
+        return self.reduced.value("idle_fraction_per_rank")
+
+    @property
+    def weight_version_age_per_stage(self) -> list[int]:
+        """Per stage: updates between the weights this step's gradient was taken at and the weights
+        it was applied to (0 synchronous; 1 for PipeDream-2BW after its first step)."""
+        return self.reduced.value("weight_version_age_per_stage")
