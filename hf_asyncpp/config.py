@@ -286,6 +286,10 @@ def validate_config(config: TrainConfig, world_size: int):
         "tied input/output embeddings cannot be split across pipeline stages; set tie_word_embeddings "
         "to false in the model config (the first and last stage would each own a copy)",
     )
+    positions = getattr(model_config, "max_position_embeddings", None)
+    _require(positions is None or config.seq_len <= positions,
+             f"seq_len {config.seq_len} exceeds the model's max_position_embeddings ({positions}); "
+             "shorten seq_len or use a model config with more positions")
     try:
         spec.check_microbatches(depth, config.n_microbatches)
         plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)

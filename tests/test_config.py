@@ -65,6 +65,8 @@ BAD_INPUTS = {
                              "checkpoints are not supported for schedule 'wpipe': .*applied on some stages"),
     "checkpoints of the emulator": (["--schedule", "pipedream-2bw", "--pp_size", "1", "--save_steps", "10"], 1,
                                     "emulated schedule 'pipedream-2bw' \\(pp_size 1\\) are not supported"),
+    "sequences longer than the model's positions": (["--seq_len", "1000000"], 2,
+                                                   "seq_len 1000000 exceeds the model's max_position_embeddings"),
     "negative save_steps": (["--save_steps", "-1"], 2, "save_steps must be >= 0"),
     "resume from nothing": (["--resume_from_checkpoint", "latest", "--output_dir", "/nonexistent/run"], 2,
                             "holds no complete checkpoint"),
