@@ -89,3 +89,15 @@ def test_shuffle_is_a_seeded_permutation_per_epoch():
     assert sorted(a.rows(0).flatten().tolist()) == list(range(12))
     assert a.rows(0).tolist() != a.rows(1).tolist()  # a new order each epoch
     assert a.rows(0).tolist() != MinibatchSampler(blocks, 12, 0, 1, True, seed=4).rows(0).tolist()
+
+
+def test_within_an_epoch_no_block_is_seen_twice_by_any_dp_rank_and_a_resumed_sampler_continues():
+    blocks = torch.arange(48).view(48, 1)
+    steps = 48 // (2 * 4)  # an epoch: 6 steps of 2 dp ranks × 4 rows
+    seen = [b for step in range(steps) for d in range(2)
+            for b in MinibatchSampler(blocks, 4, d, 2, True, 7).rows(step).flatten().tolist()]
+    assert sorted(seen) == list(range(48))
+    # A sampler built afresh (a resumed run) at step 3 gives the blocks the original would have: the
+    # ones no rank has seen in steps 0..2 of this epoch.
+    resumed = [b for d in range(2) for b in MinibatchSampler(blocks, 4, d, 2, True, 7).rows(3).flatten().tolist()]
+    assert resumed == seen[3 * 8:4 * 8] and not set(resumed) & set(seen[:3 * 8])
