@@ -126,16 +126,26 @@ def _coerce(key: str, value):
         raise ConfigError(f"config key '{key}' expects {kind.__name__}, got {value!r}") from None
 
 
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
+    """A config file's keys; `extends: other.yaml` (relative to the file) supplies the keys it omits."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist")
+    if os.path.realpath(path) in seen:
+        raise ConfigError(f"config file '{path}' extends itself (through {' → '.join(seen)})")
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
+    base = values.pop("extends", None)
+    if base is None:
+        return values
+    parent = _read_yaml(os.path.join(os.path.dirname(path), str(base)), (*seen, os.path.realpath(path)))
+    return {**parent, **values}
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML file (optional) and apply `--key value` / `--key=value` overrides."""
-    values: dict = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file '{path}' does not exist")
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
+    values = _read_yaml(path) if path is not None else {}
     tokens = list(overrides or [])
     while tokens:
         token = tokens.pop(0)

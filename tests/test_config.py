@@ -3,6 +3,9 @@ raised before any process group starts and before anything is written to output_
 
 from __future__ import annotations
 
+import glob
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
@@ -121,3 +124,20 @@ def test_init_from_starts_from_the_saved_weights_and_config(tmp_path):
     loaded = build_full_model(config, model_config)
     for name, tensor in saved.state_dict().items():
         assert (loaded.state_dict()[name] == tensor).all(), name
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(Path(__file__).parents[1] / "training_scripts/configs/*.yaml"))))
+def test_every_shipped_config_is_valid(path):
+    config = load_config(path)
+    validate_config(config, 2)
+    assert config.model_config and config.output_dir.startswith("outputs/")
+
+
+def test_a_config_extends_another_and_overrides_what_it_names(tmp_path):
+    (tmp_path / "base.yaml").write_text("learning_rate: 0.01\nmax_steps: 7\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nmax_steps: 9\n")
+    config = load_config(str(tmp_path / "child.yaml"), ["--seed", "3"])
+    assert (config.learning_rate, config.max_steps, config.seed) == (0.01, 9, 3)
+    (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_config(str(tmp_path / "loop.yaml"))
