@@ -39,6 +39,8 @@ class TrainConfig:
     tokenizer: str = "builtin"  # "builtin" (shipped BPE) or an HF tokenizer directory
     seq_len: int = 128
     shuffle: bool = True
+    eval_fraction: float = 0.0  # share of the blocks held out for validation (the last ones; 0: none)
+    eval_steps: int = 0  # evaluate every N steps (0: only at the end, when there is a held-out split)
     # pipeline
     pp_size: int = 2
     schedule: str = "1f1b"
@@ -236,6 +238,10 @@ def validate_config(config: TrainConfig, world_size: int):
         raise ConfigError(f"max_shard_size must be a size such as 5GB or 500MB, got '{config.max_shard_size}'") from None
     _require(not config.push_to_hub or (config.hub_model_id and config.save_final),
              "push_to_hub needs hub_model_id (namespace/name) and save_final: true")
+    _require(0 <= config.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {config.eval_fraction}")
+    _require(config.eval_steps >= 0, f"eval_steps must be >= 0, got {config.eval_steps}")
+    _require(not config.eval_steps or config.eval_fraction > 0,
+             "eval_steps asks for evaluation, but there is no evaluation set: set eval_fraction > 0")
     _require(config.save_steps >= 0, f"save_steps must be >= 0 (0: no checkpoints), got {config.save_steps}")
     _require(config.save_total_limit is None or config.save_total_limit >= 1,
              f"save_total_limit must be at least 1, got {config.save_total_limit}")
@@ -253,6 +259,9 @@ def validate_config(config: TrainConfig, world_size: int):
         raise ConfigError(str(err)) from None
     if config.save_steps or config.resume_from_checkpoint:
         _check_async_checkpoints(spec, config)
+    _require(spec.synchronous or config.pp_size == 1 or not config.eval_fraction,
+             f"evaluation of the asynchronous pipeline '{spec.name}' is not supported yet (its in-flight "
+             "microbatches would have to drain); evaluate the export, or emulate it with pp_size 1")
     _require(
         world_size % config.pp_size == 0,
         f"world size {world_size} is not divisible by pp_size {config.pp_size}; "

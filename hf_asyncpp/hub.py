@@ -16,7 +16,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-__all__ = ["model_card_facts", "push_to_hub", "render_model_card"]
+__all__ = ["eval_results", "model_card_facts", "push_to_hub", "render_model_card"]
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "model_card.md"
 
@@ -75,6 +75,18 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
     return dict(architecture=_architecture(model_config), training=training, data=data,
                 versions={"hf_asyncpp": hf_asyncpp.__version__, "transformers": transformers.__version__,
                           "torch": torch.__version__, "python": platform.python_version()})
+
+
+def eval_results(final_eval: dict, dataset_name: str) -> list:
+    """The held-out validation loss and perplexity as model-index entries."""
+    from huggingface_hub import EvalResult
+
+    common = dict(task_type="text-generation", task_name="Causal language modeling", dataset_type="text",
+                  dataset_name=dataset_name, dataset_split="validation (held out)")
+    return [EvalResult(metric_type="loss", metric_name="validation loss", metric_value=round(final_eval["eval_loss"], 4),
+                       **common),
+            EvalResult(metric_type="perplexity", metric_name="perplexity",
+                       metric_value=round(final_eval["eval_perplexity"], 2), **common)]
 
 
 def render_model_card(facts: dict, model_name: str, repo_id: str | None = None, eval_results: list | None = None,

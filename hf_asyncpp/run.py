@@ -54,12 +54,13 @@ def _main_process_first(layout):
         dist.barrier()
 
 
-def _model_card(config, model_config, layout, record: dict, spec) -> str:
-    from .hub import model_card_facts, render_model_card
+def _model_card(config, model_config, layout, record: dict, spec, final_eval: dict | None) -> str:
+    from .hub import eval_results, model_card_facts, render_model_card
 
     facts = model_card_facts(config, model_config, (layout.pp_size, layout.dp_size), record, spec)
     name = config.hub_model_id.split("/")[-1] if config.hub_model_id else Path(config.output_dir).name
-    return render_model_card(facts, name, repo_id=config.hub_model_id).content
+    results = eval_results(final_eval, facts["data"]["name"]) if final_eval else None
+    return render_model_card(facts, name, repo_id=config.hub_model_id, eval_results=results).content
 
 
 def _push(folder: Path, repo_id: str) -> str | None:
@@ -83,6 +84,7 @@ def train(config, model_config, launch) -> dict:
     from .checkpoint.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
     from .data import MinibatchSampler, build_token_blocks, load_tokenizer
     from .engine import PipelineEngine
+    from .evaluation import evaluate, split_held_out
     from .metrics import MetricsWriter
     from .parallel.mesh import init_parallel, shutdown_parallel
 
@@ -92,9 +94,18 @@ def train(config, model_config, launch) -> dict:
         tokenizer = load_tokenizer(config.tokenizer)
         with _main_process_first(layout):
             blocks = build_token_blocks(config.dataset, tokenizer, config.seq_len, config.text_column)
+        blocks, held_out = split_held_out(blocks, config.eval_fraction)
         sampler = MinibatchSampler(
             blocks, config.rows_per_step, layout.dp_rank, layout.dp_size, config.shuffle, config.seed
         )
+
+        def run_evaluation(step: int) -> dict:
+            results = {"step": step, **evaluate(engine, held_out, config.rows_per_step, layout.dp_rank,
+                                                 layout.dp_size)}
+            if writer:
+                writer.write(results)
+            return results
+
         engine = PipelineEngine(config, model_config, layout)
         start_step, tokens_seen = 0, 0
         if config.resume_from_checkpoint:
@@ -132,16 +143,23 @@ def train(config, model_config, launch) -> dict:
                 }
                 progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 writer.write(record)
+            if config.eval_steps and result.step % config.eval_steps == 0 and result.step < config.max_steps:
+                run_evaluation(result.step)
             if config.save_steps and result.step % config.save_steps == 0:
                 save_checkpoint(engine, layout, config.output_dir, result.step,
                                 {"tokens_seen": tokens_seen, "config": dataclasses.asdict(config)},
                                 config.save_total_limit)
         engine.finish()
         progress.close()
+        final_eval = run_evaluation(config.max_steps) if held_out is not None else None
         if writer:
             writer.close()
+        if layout.is_main and final_eval:
+            print(f"[hf_asyncpp] validation loss {final_eval['eval_loss']:.4f}, "
+                  f"perplexity {final_eval['eval_perplexity']:.2f}")
         if config.save_final:
-            card = _model_card(config, model_config, layout, record, engine.spec) if layout.is_main else None
+            card = _model_card(config, model_config, layout, record, engine.spec, final_eval) \
+                if layout.is_main else None
             out = export_hf_model(engine.stage_state_dict(), layout, model_config, tokenizer,
                                   Path(config.output_dir) / "final", config.max_shard_size, card)
             if layout.is_main:

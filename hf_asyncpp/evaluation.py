@@ -1,0 +1,41 @@
+"""Validation: a held-out split of the token blocks, and its loss over the whole pipeline.
+
+The last `eval_fraction` of the blocks (in file order, before any shuffling) never reach training.
+Evaluation runs them in batches of one step's rows per dp rank (each dp rank its own slice, as in
+training), forward only, through the same stages; every batch's loss is the mean over its microbatches
+and dp replicas (one all-reduce), and the validation loss is the mean over batches (equal sizes, so
+the mean over tokens). Perplexity is exp(validation loss).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["evaluate", "split_held_out"]
+
+
+def split_held_out(blocks: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(training blocks, held-out blocks or None)."""
+    if fraction <= 0:
+        return blocks, None
+    n_eval = max(1, round(blocks.shape[0] * fraction))
+    return blocks[:-n_eval], blocks[-n_eval:]
+
+
+def evaluate(engine, held_out: torch.Tensor, rows_per_step: int, dp_rank: int, dp_size: int) -> dict:
+    """Validation loss, aux loss and perplexity of the held-out blocks (the same on every rank)."""
+    n_batches = held_out.shape[0] // (rows_per_step * dp_size)
+    if n_batches == 0:
+        raise ValueError(f"the held-out split has {held_out.shape[0]} blocks, fewer than one evaluation batch "
+                         f"({rows_per_step * dp_size}); raise eval_fraction")
+    losses, aux = [], []
+    for b in range(n_batches):
+        start = (b * dp_size + dp_rank) * rows_per_step
+        loss, aux_loss, _ = engine.eval_step(held_out[start:start + rows_per_step])
+        losses.append(loss)
+        aux.append(aux_loss)
+    loss = sum(losses) / n_batches
+    return {"eval_loss": loss, "eval_aux_loss": sum(aux) / n_batches, "eval_perplexity": math.exp(loss),
+            "eval_tokens": n_batches * rows_per_step * dp_size * held_out.shape[1]}

@@ -1,0 +1,57 @@
+"""Validation through train.py: the held-out blocks' loss equals the exported model's own loss on them.
+
+train.py (one process) holds out the last 20% of a jsonl dataset's rows, evaluates every step and at
+the end; the final validation loss must equal the mean LM loss that plain transformers computes with
+the exported weights on the same held-out rows, batch by batch (fp32, 1e-5), and the model card's
+model-index must carry it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import torch
+import yaml
+
+from tests.test_engine import small_model_config
+from tests.test_run import _env
+
+SEQ, MBS, M, ROWS = 16, 2, 2, 40
+
+
+def test_the_validation_loss_is_the_exported_models_loss_on_the_held_out_rows(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = small_model_config("tiny-qwen3-moe")
+    config.vocab_size = 8192
+    config.save_pretrained(tmp_path / "model")
+    rows = torch.randint(0, 8192, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
+    out = tmp_path / "run"
+    command = [sys.executable, "training_scripts/train.py", "--config", "training_scripts/configs/tiny_moe.yaml",
+               "--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
+               "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches", str(M),
+               "--max_steps", "2", "--eval_fraction", "0.2", "--eval_steps", "1", "--output_dir", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2]
+    final = evals[-1]
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    held_out = rows[-8:]  # 20% of 40 rows, the last ones
+    batch_losses = []
+    with torch.no_grad():
+        for batch in held_out.chunk(2):  # two evaluation batches of MBS × M rows
+            lm = [(o.loss - config.router_aux_loss_coef * o.aux_loss).item()
+                  for o in (model(input_ids=mb, labels=mb) for mb in batch.chunk(M))]
+            batch_losses.append(sum(lm) / M)
+    expected = sum(batch_losses) / 2
+    assert abs(final["eval_loss"] - expected) < 1e-5, (final, expected)
+    assert abs(final["eval_perplexity"] - math.exp(expected)) < 1e-3
+    card = (out / "final" / "README.md").read_text()
+    metrics = yaml.safe_load(card.split("---")[1])["model-index"][0]["results"][0]["metrics"]
+    assert {m["type"]: m["value"] for m in metrics}["loss"] == round(final["eval_loss"], 4)
