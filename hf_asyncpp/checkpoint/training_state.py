@@ -41,14 +41,15 @@ def _optimizer_params(updater) -> list:
     return [p for group in updater.optimizer.param_groups for p in group["params"]]
 
 
+_OBJ = "#obj"
+_PER_MATRIX = ("_factor", "_basis")  # optimizer state of a whole matrix, replicated over dp
+
+
 def _state_keys(keys, name: str) -> dict[str, str]:
     """{state key: checkpoint key} of parameter `name`'s optimizer entries among `keys`."""
     prefix = f"optim.{name}."
     return {k[len(prefix):].removesuffix(_OBJ): k for k in keys
             if k.startswith(prefix) and "." not in k[len(prefix):]}
-
-
-_OBJ = "#obj"
 
 
 def _pack(value) -> torch.Tensor:
@@ -95,13 +96,14 @@ def _live_state(engine, rank: int) -> dict:
     return state
 
 
-def _destination(metadata, like: torch.Tensor | None):
+def _destination(metadata, like: torch.Tensor | None, like_layout: bool = True):
     """An empty tensor `dcp.load` can fill for a saved entry: laid out like the parameter it belongs
-    to when it has the parameter's shape (so it is sharded like it), a whole tensor otherwise."""
+    to when it is per-element state of the parameter's shape (so it is sharded like it), a whole
+    tensor on the parameter's device otherwise."""
     if not isinstance(metadata, TensorStorageMetadata):
         raise ValueError(f"unexpected non-tensor entry {metadata}")
     dtype = metadata.properties.dtype
-    if like is not None and tuple(like.shape) == tuple(metadata.size):
+    if like is not None and like_layout and tuple(like.shape) == tuple(metadata.size):
         return torch.zeros_like(like, dtype=dtype)
     device = like.to_local().device if isinstance(like, DTensor) else (like.device if like is not None else "cpu")
     return torch.zeros(metadata.size, dtype=dtype, device=device)
@@ -116,8 +118,10 @@ def load_training_state(engine, rank: int, saved: dict, read) -> dict:
         wanted.update({f"model.{k}": v for k, v in module.state_dict().items()})
     for names in _updater_names(engine):
         for name in names:
-            for key in _state_keys(saved, name).values():
-                wanted[key] = _destination(saved[key], params[name])
+            for state_key, key in _state_keys(saved, name).items():
+                # Per-element state is laid out like its parameter; per-matrix state (SOAP's factors
+                # and bases, square like a square parameter) is whole on every rank.
+                wanted[key] = _destination(saved[key], params[name], not state_key.endswith(_PER_MATRIX))
             if f"ef.{name}" in saved:
                 wanted[f"ef.{name}"] = _destination(saved[f"ef.{name}"], params[name])
     for stage, versioned in zip(engine.stage_ids, engine.versioned):

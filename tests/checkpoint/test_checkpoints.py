@@ -74,6 +74,7 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
     (2, 2, "1f1b", "adamw", False),
     (2, 1, "gpipe", "muon", True),  # dp 2, sharded with FSDP2: optimizer state and EF as DTensors
     (2, 2, "interleaved-1f1b", "soap", False),
+    (2, 1, "gpipe", "soap", False),  # dp 2: square matrices' factors stay whole, their moments sharded
     (2, 2, "pipedream-2bw", "adamw", True),
     (4, 2, "pipedream-2bw", "muon", True),  # pp 2 × dp 2: sharded weight versions
     (4, 4, "pipedream", "sgd", False),  # per-microbatch updates; three stages have forwards in flight
