@@ -1,6 +1,6 @@
 """The `hf-asyncpp` command: `hf-asyncpp train --config ...` (same as training_scripts/train.py),
-`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub) and `hf-asyncpp schedules` (print
-each registered schedule's action lists)."""
+`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp plot <run_dir> ...`
+(loss curves as PNG) and `hf-asyncpp schedules` (print each registered schedule's action lists)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ commands:
   train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1)
   push DIR REPO_ID [--private]               upload an exported model directory (e.g. outputs/run/final)
                                             to the Hub; the token comes from HF_TOKEN or `hf auth login`
+  plot RUN_DIR [RUN_DIR ...] [--out FILE] [--x step|tokens]
+                                            loss curves from metrics.jsonl: one run to
+                                            RUN_DIR/loss_curves.png, several to ./loss_comparison.png
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
 """
 
@@ -34,6 +37,29 @@ def _push(argv: list[str]) -> int:
         print(f"error: upload of {args.folder} to {args.repo_id} failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     print(f"[hf_asyncpp] pushed {args.folder} to {args.repo_id}: {url}")
+    return 0
+
+
+def _plot(argv: list[str]) -> int:
+    import argparse
+
+    from .plots import X_AXES, compare_runs, write_loss_curves
+
+    parser = argparse.ArgumentParser(prog="hf-asyncpp plot")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--out", default=None,
+                        help="PNG to write (default: RUN_DIR/loss_curves.png, or ./loss_comparison.png for several)")
+    parser.add_argument("--x", choices=X_AXES, default="step")
+    args = parser.parse_args(argv)
+    try:
+        if len(args.run_dirs) == 1:
+            path = write_loss_curves(args.run_dirs[0], args.out, x=args.x)
+        else:
+            path = compare_runs(args.run_dirs, args.out or "loss_comparison.png", x=args.x)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 
@@ -71,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return _show_schedules(rest)
     if command == "push":
         return _push(rest)
+    if command == "plot":
+        return _plot(rest)
     print(f"unknown command '{command}'\n{_USAGE}", file=sys.stderr)
     return 2
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["ConfigError", "TrainConfig", "load_config", "validate_config", "OPTIMIZERS"]
+__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "load_config", "validate_config"]
 
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
 
@@ -34,12 +34,16 @@ class TrainConfig:
     router_aux_loss_coef: float | None = None  # None keeps the model config's value
     router_bias_update_rate: float = 0.001  # DeepSeek-V3 routing-bias step γ (0 freezes the bias)
     # data
-    dataset: str = "shakespeare"  # "shakespeare" (offline corpus) or text/jsonl/parquet files (globs ok)
+    dataset: str = "shakespeare"  # "shakespeare" (offline corpus), text/jsonl/parquet files (globs ok) or a Hub id
+    dataset_config_name: str | None = None  # the Hub dataset's configuration (subset)
+    dataset_split: str = "train"  # the Hub dataset's split (local files are all one split)
+    streaming: bool = False  # read the dataset as a stream, packed on the fly (corpora too large to load)
     text_column: str = "text"
     tokenizer: str = "builtin"  # "builtin" (shipped BPE) or an HF tokenizer directory
     seq_len: int = 128
     shuffle: bool = True
     eval_fraction: float = 0.0  # share of the blocks held out for validation (the last ones; 0: none)
+    eval_dataset: str | None = None  # files or a Hub id (its "validation" split) held out whole; replaces eval_fraction
     eval_steps: int = 0  # evaluate every N steps (0: only at the end, when there is a held-out split)
     # pipeline
     pp_size: int = 2
@@ -72,6 +76,7 @@ class TrainConfig:
     # output
     output_dir: str = "outputs/run"
     logging_steps: int = 1
+    report_to: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])  # + wandb / trackio; none
     save_final: bool = True
     push_to_hub: bool = False  # upload final/ (weights, tokenizer, model card) to hub_model_id at the end
     hub_model_id: str | None = None  # "namespace/name" on the Hub
@@ -170,21 +175,25 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _check_async_checkpoints(spec, config: TrainConfig) -> None:
-    """Asynchronous pipelines resume by replaying the actions whose updates were still due
-    (schedules/async_order.py: replay_after); that needs every update unit applied on all stages or on
-    none at a step boundary. The single-process emulator's held-back gradients are not saved."""
+def _check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
+    """Training checkpoints (resumed by replaying the actions whose updates were still due,
+    schedules/async_order.py: replay_after) and mid-run evaluation need every update unit applied on
+    all stages or on none at a step boundary; WPipe's straddle it. The single-process emulator's
+    held-back gradients are not saved."""
     from .schedules import ScheduleError
     from .schedules.async_order import replay_after
 
     if spec.synchronous:
         return
-    _require(config.pp_size > 1, f"training checkpoints of the emulated schedule '{spec.name}' (pp_size 1) are "
-             "not supported; run it on a pipeline (pp_size >= 2) or use save_final for an HF export")
+    if purpose == "training checkpoints":
+        _require(config.pp_size > 1, f"training checkpoints of the emulated schedule '{spec.name}' (pp_size 1) "
+                 "are not supported; run it on a pipeline (pp_size >= 2) or use save_final for an HF export")
+    elif config.pp_size == 1:
+        return
     try:
         replay_after(spec.order, config.pp_size, config.n_microbatches, 0, 2)
     except ScheduleError as err:
-        raise ConfigError(f"training checkpoints are not supported for schedule '{spec.name}': {err}") from None
+        raise ConfigError(f"{purpose} are not supported for schedule '{spec.name}': {err}") from None
 
 
 def _check_resume(config: TrainConfig) -> None:
@@ -197,14 +206,12 @@ def _check_resume(config: TrainConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
-def validate_config(config: TrainConfig, world_size: int):
-    """Check everything before a process group exists. Returns the HF model config to build."""
+def check_settings(config: TrainConfig, world_size: int):
+    """Every check that needs neither the model nor the data (ranges, names, the schedule, the
+    checkpoint to resume). Returns the schedule's spec."""
     # Imported here: config parsing stays light, validation needs the model and schedule layers.
     from transformers.trainer_utils import SchedulerType
 
-    from .data import check_dataset_source, check_tokenizer_source
-    from .models import UnsupportedModelError, family_for, plan_stages
-    from .models.presets import build_config
     from .schedules import get_schedule_spec
 
     for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps"):
@@ -220,6 +227,12 @@ def validate_config(config: TrainConfig, world_size: int):
             re.compile(pattern)
         except re.error as err:
             raise ConfigError(f"muon_adamw_patterns: '{pattern}' is not a regular expression ({err})") from None
+    try:
+        from .reporting import check_report_to
+
+        check_report_to(config.report_to)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _require(config.mixed_precision in ("auto", "bf16", "no"),
              f"unknown mixed_precision '{config.mixed_precision}'; choose auto, bf16 or no")
     _require(config.fsdp or config.mixed_precision != "bf16",
@@ -240,8 +253,13 @@ def validate_config(config: TrainConfig, world_size: int):
              "push_to_hub needs hub_model_id (namespace/name) and save_final: true")
     _require(0 <= config.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {config.eval_fraction}")
     _require(config.eval_steps >= 0, f"eval_steps must be >= 0, got {config.eval_steps}")
-    _require(not config.eval_steps or config.eval_fraction > 0,
-             "eval_steps asks for evaluation, but there is no evaluation set: set eval_fraction > 0")
+    _require(not (config.streaming and config.eval_fraction > 0),
+             "eval_fraction cannot hold out part of a streamed dataset (its length is unknown): set "
+             "eval_fraction to 0 and name the held-out files in eval_dataset")
+    _require(config.eval_dataset is None or config.eval_fraction == 0,
+             "eval_dataset and eval_fraction both name a held-out set: keep one (eval_dataset replaces eval_fraction)")
+    _require(not config.eval_steps or config.eval_fraction > 0 or config.eval_dataset is not None,
+             "eval_steps asks for evaluation, but there is no evaluation set: set eval_fraction > 0 or eval_dataset")
     _require(config.save_steps >= 0, f"save_steps must be >= 0 (0: no checkpoints), got {config.save_steps}")
     _require(config.save_total_limit is None or config.save_total_limit >= 1,
              f"save_total_limit must be at least 1, got {config.save_total_limit}")
@@ -258,33 +276,24 @@ def validate_config(config: TrainConfig, world_size: int):
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if config.save_steps or config.resume_from_checkpoint:
-        _check_async_checkpoints(spec, config)
-    _require(spec.synchronous or config.pp_size == 1 or not config.eval_fraction,
-             f"evaluation of the asynchronous pipeline '{spec.name}' is not supported yet (its in-flight "
-             "microbatches would have to drain); evaluate the export, or emulate it with pp_size 1")
+        _check_step_boundaries(spec, config, "training checkpoints")
+    if config.eval_steps:
+        _check_step_boundaries(spec, config, "evaluations during training (eval_steps; the final one works)")
     _require(
         world_size % config.pp_size == 0,
         f"world size {world_size} is not divisible by pp_size {config.pp_size}; "
         f"launch a multiple of {config.pp_size} processes or change pp_size",
     )
+    return spec
 
-    overrides = {}
-    if config.attn_implementation:
-        overrides["attn_implementation"] = config.attn_implementation
-    if config.router_aux_loss_coef is not None:
-        overrides["router_aux_loss_coef"] = config.router_aux_loss_coef
-    source = config.init_from or config.model_config
-    if config.init_from is not None:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-        _require(os.path.isdir(config.init_from) or (not offline and "/" in config.init_from),
-                 f"init_from '{config.init_from}' is not a model directory"
-                 + (" (the Hub is offline: HF_HUB_OFFLINE is set)" if offline else ""))
-    try:
-        model_config = build_config(source, **overrides)
-        family_for(model_config)
-    except (FileNotFoundError, UnsupportedModelError, ValueError, OSError) as err:
-        raise ConfigError(str(err)) from None
 
+def check_model_fits(config: TrainConfig, model_config) -> None:
+    """The model against the pipeline: enough layers for the stages, untied embeddings, positions
+    for seq_len, a stage plan and a microbatch count the schedule accepts."""
+    from .models import plan_stages
+    from .schedules import get_schedule_spec
+
+    spec = get_schedule_spec(config.schedule)
     _require(config.emulate_pp_size >= 0, f"emulate_pp_size must be >= 0, got {config.emulate_pp_size}")
     emulating = spec.order is not None and config.pp_size == 1
     depth = max(config.emulate_pp_size, 1) if emulating else config.pp_size
@@ -312,7 +321,39 @@ def validate_config(config: TrainConfig, world_size: int):
     try:
         spec.check_microbatches(depth, config.n_microbatches)
         plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def validate_config(config: TrainConfig, world_size: int):
+    """Check everything before a process group exists. Returns the HF model config to build."""
+    from .data import check_dataset_source, check_tokenizer_source, hub_offline
+    from .models import UnsupportedModelError, family_for
+    from .models.presets import build_config
+
+    check_settings(config, world_size)
+    overrides = {}
+    if config.attn_implementation:
+        overrides["attn_implementation"] = config.attn_implementation
+    if config.router_aux_loss_coef is not None:
+        overrides["router_aux_loss_coef"] = config.router_aux_loss_coef
+    source = config.init_from or config.model_config
+    if config.init_from is not None:
+        offline = hub_offline()
+        _require(os.path.isdir(config.init_from) or (not offline and "/" in config.init_from),
+                 f"init_from '{config.init_from}' is not a model directory"
+                 + (" (the Hub is offline: HF_HUB_OFFLINE is set)" if offline else ""))
+    try:
+        model_config = build_config(source, **overrides)
+        family_for(model_config)
+    except (FileNotFoundError, UnsupportedModelError, ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
+
+    check_model_fits(config, model_config)
+    try:
         check_dataset_source(config.dataset)
+        if config.eval_dataset is not None:
+            check_dataset_source(config.eval_dataset, key="eval_dataset")
         check_tokenizer_source(config.tokenizer, model_config.vocab_size)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None

@@ -9,6 +9,7 @@ divides gradients by n_microbatches), as in gradient accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -28,7 +29,9 @@ from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
 from .parallel.mesh import ParallelLayout
-from .schedules import build_schedule, get_schedule_spec
+from .schedules import ScheduleError, build_schedule, get_schedule_spec
+from .schedules.async_order import replay_after
+from .schedules.runtime import build_eval_schedule
 from .schedules.async_runtime import AsyncPipelineSchedule
 from .schedules.weight_versions import VersionedStage
 
@@ -119,10 +122,12 @@ class PipelineEngine:
             self.schedule = build_schedule(self.spec, self.stages, m, timed_loss)
         self._routing_load_counters = [m.routing_load for m in self.modules if m.routing_load is not None]
         self._unfinished: list[ReducedStepStats] = []
+        self._eval_schedule = None  # asynchronous pipelines: a forward-only program, built at the first evaluation
         # This step's updates: per stage, the squared gradient norm of each and the largest version age.
         self._step_sq_norms: dict[int, list[float]] = {}
         self._step_ages: dict[int, int] = {}
         self.step_count = 0
+        self.last_step = config.max_steps  # the run's final step count (stop_after may bring it forward)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -231,6 +236,15 @@ class PipelineEngine:
         if self.versioned:
             self.schedule.resume_after(step)
 
+    def stop_after(self, step: int) -> int:
+        """End the run early: returns the step count it can end at, `step` where nothing is in flight.
+        An asynchronous pipeline has already forwarded part of the next minibatch, so it runs that
+        step too, as its last (draining) one: every forwarded microbatch is trained on."""
+        self.last_step = step + 1 if self.versioned else step
+        if self.versioned:
+            self.schedule.n_steps = self.last_step
+        return self.last_step
+
     def finish(self) -> None:
         """Wait for every step's statistics reduction and in-flight send (call before tearing down
         process groups)."""
@@ -243,24 +257,44 @@ class PipelineEngine:
     @torch.no_grad()
     def eval_step(self, rows: torch.Tensor) -> tuple[float, float, torch.Tensor | None]:
         """(LM loss, aux loss) of a minibatch without updating anything, and the logits on the rank
-        that holds the last stage (None elsewhere)."""
+        that holds the last stage (None elsewhere). Asynchronous pipelines evaluate their newest
+        weights (the masters, what an export holds) beside the microbatches in flight, which stay
+        as they are: training continues exactly as without the evaluation."""
+        rows = rows.to(self.layout.device)
         if self.emulated:
-            return self._eval_emulated(rows.to(self.layout.device))
-        if self.versioned:
-            raise NotImplementedError(
-                "evaluation on an asynchronous pipeline needs its in-flight microbatches drained; "
-                "it is not supported yet (export the model and evaluate it, or use the emulator, pp_size 1)"
-            )
+            return self._eval_emulated(rows)
+        if not self.versioned:
+            return self._eval_through(self.schedule, self.loss_fn, rows)
+        if 0 < self.step_count < self.last_step and not self._units_end_at_step_boundaries():
+            raise RuntimeError(f"{self.spec.name} straddles its updates across step boundaries: some stages have "
+                               "applied the last minibatch and others not, so only the final weights can be evaluated")
+        if self._eval_schedule is None:  # its own stages and loss: the training runtime's state is untouched
+            self._eval_loss_fn = PipelineLoss(self.loss_fn.vocab_size, self.loss_fn.aux_coef)
+            stages = [PipelineStage(v, s, len(self.plan), self.layout.device, group=self.layout.pp_group)
+                      for v, s in zip(self.versioned, self.stage_ids)]
+            self._eval_schedule = build_eval_schedule(stages, self.config.n_microbatches, self._eval_loss_fn)
+        with contextlib.ExitStack() as masters:
+            for versioned in self.versioned:
+                masters.enter_context(versioned.evaluating_master())
+            return self._eval_through(self._eval_schedule, self._eval_loss_fn, rows)
+
+    def _units_end_at_step_boundaries(self) -> bool:
+        try:
+            replay_after(self.spec.order, self.layout.pp_size, self.config.n_microbatches, 0, 2)
+            return True
+        except ScheduleError:
+            return False
+
+    def _eval_through(self, schedule, loss_fn: PipelineLoss, rows: torch.Tensor):
         for module in self.modules:
             module.eval()
         try:
-            rows = rows.to(self.layout.device)
             args = (rows,) if self.holds_first_stage else ()
-            output = self.schedule.eval(*args, target=rows if self.holds_last_stage else None)
+            output = schedule.eval(*args, target=rows if self.holds_last_stage else None)
         finally:
             for module in self.modules:
                 module.train()
-        reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout, {},
+        reduced = ReducedStepStats(loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout, {},
                                    len(self.plan))
         logits = output[0] if isinstance(output, tuple) else output
         return reduced.value("loss"), reduced.value("aux_loss"), logits

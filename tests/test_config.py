@@ -71,8 +71,9 @@ BAD_INPUTS = {
     "sequences longer than the model's positions": (["--seq_len", "1000000"], 2,
                                                    "seq_len 1000000 exceeds the model's max_position_embeddings"),
     "evaluation without an evaluation set": (["--eval_steps", "10"], 2, "no evaluation set: set eval_fraction > 0"),
-    "evaluation of an asynchronous pipeline": (["--schedule", "pipedream-2bw", "--eval_fraction", "0.1"], 2,
-                                               "evaluation of the asynchronous pipeline 'pipedream-2bw' is not supported"),
+    "mid-run evaluation of a schedule whose updates straddle steps": (
+        ["--schedule", "wpipe", "--eval_fraction", "0.1", "--eval_steps", "2"], 2,
+        "evaluations during training .* are not supported for schedule 'wpipe'"),
     "negative save_steps": (["--save_steps", "-1"], 2, "save_steps must be >= 0"),
     "resume from nothing": (["--resume_from_checkpoint", "latest", "--output_dir", "/nonexistent/run"], 2,
                             "holds no complete checkpoint"),
@@ -144,3 +145,40 @@ def test_a_config_extends_another_and_overrides_what_it_names(tmp_path):
     (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="extends itself"):
         load_config(str(tmp_path / "loop.yaml"))
+
+
+DATA_REFUSALS = {
+    "streaming with eval_fraction": (["--streaming", "true", "--eval_fraction", "0.1"],
+                                     "eval_fraction cannot hold out part of a streamed dataset"),
+    "eval_dataset with eval_fraction": (["--eval_dataset", "{corpus}", "--eval_fraction", "0.1"],
+                                        "eval_dataset and eval_fraction both name a held-out set"),
+    "Hub dataset offline": (["--dataset", "HuggingFaceFW/fineweb-edu"],
+                            "dataset 'HuggingFaceFW/fineweb-edu' is not a local file/directory and the Hub is offline "
+                            "\\(HF_HUB_OFFLINE is set\\)"),
+    "Hub eval_dataset offline": (["--eval_dataset", "someone/held-out"],
+                                 "eval_dataset 'someone/held-out' is not a local file/directory and the Hub is offline"),
+    "missing eval_dataset files": (["--eval_dataset", "/nonexistent/held_out.jsonl"],
+                                   "eval_dataset: dataset '/nonexistent/held_out.jsonl' matches no files"),
+    "evaluation with neither eval set": (["--eval_steps", "5"], "set eval_fraction > 0 or eval_dataset"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_REFUSALS))
+def test_data_settings_that_cannot_run_are_refused(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "corpus.txt").write_text("Now is the winter of our discontent")
+    overrides, message = DATA_REFUSALS[case]
+    overrides = [o.replace("{corpus}", str(tmp_path / "corpus.txt")) for o in overrides]
+    with pytest.raises(ConfigError, match=message):
+        validate_config(load_config(None, ["--pp_size", "1", *overrides]), 1)
+
+
+def test_a_hub_dataset_id_is_accepted_when_the_hub_is_reachable_and_streaming_evaluates_an_eval_dataset(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    (tmp_path / "held_out.jsonl").write_text('{"text": "Now is the winter of our discontent"}\n')
+    config = load_config(None, ["--pp_size", "1", "--dataset", "HuggingFaceFW/fineweb-edu", "--dataset_config_name",
+                                "sample-10BT", "--streaming", "true", "--eval_dataset", str(tmp_path / "held_out.jsonl"),
+                                "--eval_steps", "5"])
+    validate_config(config, 1)  # checks names only: nothing is downloaded before the run
+    assert (config.dataset_config_name, config.dataset_split, config.streaming) == ("sample-10BT", "train", True)

@@ -1,19 +1,27 @@
-"""Data: files → token blocks in file order; step k's rows; dp sharding; deterministic shuffle."""
+"""Data: files → token blocks in file order; step k's rows; dp sharding; deterministic shuffle;
+streaming (packed on the fly, the same rows as in memory); datasets given in memory; a held-out eval set."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import torch
 
+from hf_asyncpp.config import TrainConfig
 from hf_asyncpp.data import (
+    BlockPacker,
     MinibatchSampler,
+    StreamingSampler,
+    TrainingData,
     build_token_blocks,
     check_tokenizer_source,
+    load_source,
     load_tokenizer,
     resolve_dataset_files,
     shakespeare_files,
+    training_data,
 )
 
 
@@ -101,3 +109,141 @@ def test_within_an_epoch_no_block_is_seen_twice_by_any_dp_rank_and_a_resumed_sam
     # ones no rank has seen in steps 0..2 of this epoch.
     resumed = [b for d in range(2) for b in MinibatchSampler(blocks, 4, d, 2, True, 7).rows(3).flatten().tolist()]
     assert resumed == seen[3 * 8:4 * 8] and not set(resumed) & set(seen[:3 * 8])
+
+
+# Streaming and in-memory datasets. A small corpus: several files of short distinct documents.
+WORDS = "King Queen Duke Lord night sword crown blood heart love death honour fair sweet grave moon".split()
+
+
+def _documents(n: int) -> list[str]:
+    return [" ".join(words) for words in itertools.islice(itertools.permutations(WORDS, 4), 0, 7 * n, 7)]
+
+
+def _corpus(tmp_path, kind: str, n_files: int = 3, docs_per_file: int = 5) -> str:
+    """A directory of jsonl or text files (one document per file for text); returns its path."""
+    folder = tmp_path / f"corpus_{kind}"
+    folder.mkdir()
+    docs = _documents(n_files * docs_per_file)
+    for f in range(n_files):
+        if kind == "txt":
+            (folder / f"{f}.txt").write_text(". ".join(docs[f * docs_per_file:(f + 1) * docs_per_file]))
+        else:
+            _write_jsonl(folder / f"{f}.jsonl", [{"text": d} for d in docs[f * docs_per_file:(f + 1) * docs_per_file]])
+    return str(folder)
+
+
+def _config(**values) -> TrainConfig:
+    return TrainConfig(**{"seq_len": 8, "micro_batch_size": 2, "n_microbatches": 2, "shuffle": False, **values})
+
+
+def _steps(sampler, steps) -> list[list[list[int]]]:
+    return [sampler.rows(k).tolist() for k in steps]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+def test_streaming_gives_the_in_memory_rows_at_one_dp_rank_without_shuffle(tmp_path, kind):
+    tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, kind)
+    in_memory = training_data(_config(dataset=dataset), tokenizer, 0, 1).sampler
+    streamed = training_data(_config(dataset=dataset, streaming=True), tokenizer, 0, 1).sampler
+    n_steps = 2 * in_memory.blocks.shape[0] // 4 + 1  # two epochs and more: the stream wraps like the tensor
+    assert _steps(streamed, range(n_steps)) == _steps(in_memory, range(n_steps))
+
+
+def _one_block_documents(tokenizer, n: int, seq_len: int) -> list[str]:
+    """Distinct documents of exactly seq_len − 1 tokens, so each packs (with its EOS) into one block."""
+    docs = (" ".join(words) for words in itertools.permutations(WORDS, seq_len - 1))
+    return list(itertools.islice(
+        (d for d in docs if len(tokenizer(d, add_special_tokens=False)["input_ids"]) == seq_len - 1), n))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_streaming_dp_ranks_read_disjoint_documents_that_cover_the_corpus_each_epoch(tmp_path, shuffle):
+    tokenizer = load_tokenizer("builtin")
+    docs = _one_block_documents(tokenizer, 12, seq_len=4)
+    for f in range(4):
+        _write_jsonl(tmp_path / f"{f}.jsonl", [{"text": d} for d in docs[f * 3:(f + 1) * 3]])
+    config = _config(dataset=str(tmp_path), streaming=True, seq_len=4, micro_batch_size=3, n_microbatches=1,
+                     shuffle=shuffle)
+    expected = {tuple(tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for d in docs}
+    for epoch in range(2):  # an epoch: 2 steps × 3 rows on each of 2 ranks = the 12 documents
+        per_rank = [{tuple(row) for step in (2 * epoch, 2 * epoch + 1)
+                     for row in training_data(config, tokenizer, d, 2).sampler.rows(step).tolist()} for d in range(2)]
+        assert not per_rank[0] & per_rank[1]
+        assert per_rank[0] | per_rank[1] == expected
+
+
+def test_a_fresh_streaming_sampler_continues_where_the_original_was(tmp_path):
+    tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, "jsonl")
+    config = _config(dataset=dataset, streaming=True, shuffle=True, seed=5)
+    original = training_data(config, tokenizer, 1, 2).sampler
+    served = _steps(original, range(9))  # past the end of the rank's first epoch
+    for k in (3, 8):
+        assert training_data(config, tokenizer, 1, 2).sampler.rows(k).tolist() == served[k]
+    assert original.rows(2).tolist() == served[2]  # a step behind the stream's position is read again
+
+
+def test_a_loop_that_reads_one_step_ahead_packs_every_streamed_block_once(tmp_path):
+    tokenizer, packed = load_tokenizer("builtin"), []
+
+    class CountingPacker(BlockPacker):
+        def blocks(self, dataset):
+            for block in super().blocks(dataset):
+                packed.append(block)
+                yield block
+
+    stream = load_source(_corpus(tmp_path, "jsonl"), streaming=True)  # 9 blocks of 8 tokens an epoch
+    sampler = StreamingSampler(stream, CountingPacker(tokenizer, 8), 4, 0, 1, shuffle=False, seed=0)
+    for step in range(6):  # the training loop's order: the next step's rows, then this step's
+        assert sampler.rows(step + 1).tolist() == packed[4 * (step + 1):4 * (step + 2)]
+        assert sampler.rows(step).tolist() == packed[4 * step:4 * (step + 1)]
+    assert len(packed) == 7 * 4  # through three epochs, no block packed twice
+
+
+def test_streaming_shuffle_is_seeded_and_reshuffles_each_epoch(tmp_path):
+    tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, "jsonl")
+    n_blocks = training_data(_config(dataset=dataset), tokenizer, 0, 1).sampler.blocks.shape[0]
+
+    def epochs(seed):  # the first token of each block of the first two epochs, in the order served
+        config = _config(dataset=dataset, streaming=True, shuffle=True, seed=seed, micro_batch_size=1, n_microbatches=1)
+        rows = _steps(training_data(config, tokenizer, 0, 1).sampler, range(2 * n_blocks + 2))
+        return [r[0] for r in rows]
+
+    first = epochs(3)
+    assert first == epochs(3)
+    assert first != epochs(4)
+    unshuffled = _steps(training_data(_config(dataset=dataset, micro_batch_size=1, n_microbatches=1), tokenizer, 0,
+                                      1).sampler, range(n_blocks))
+    assert first[:n_blocks] != [r[0] for r in unshuffled]
+    assert first[:n_blocks] != first[n_blocks:2 * n_blocks]  # set_epoch: a new order in the next epoch
+
+
+def test_datasets_in_memory_give_the_rows_of_the_same_files(tmp_path):
+    from datasets import Dataset
+
+    tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, "jsonl")
+    config = _config(dataset=dataset, eval_fraction=0.25)
+    from_files = training_data(config, tokenizer, 0, 1)
+    docs = [json.loads(line)["text"] for f in sorted((tmp_path / "corpus_jsonl").iterdir())
+            for line in f.read_text().splitlines()]
+    text = TrainingData.from_datasets(Dataset.from_dict({"text": docs}), None, tokenizer, config, 0, 1)
+    assert torch.equal(text.held_out, from_files.held_out)
+    assert _steps(text.sampler, range(5)) == _steps(from_files.sampler, range(5))
+    streamed = TrainingData.from_datasets(Dataset.from_dict({"text": docs}).to_iterable_dataset(num_shards=3),
+                                          from_files.held_out, tokenizer, _config(), 0, 1)
+    all_files = training_data(_config(dataset=dataset), tokenizer, 0, 1)
+    assert _steps(streamed.sampler, range(5)) == _steps(all_files.sampler, range(5))
+
+    rows = torch.randint(0, 100, (12, 8), generator=torch.Generator().manual_seed(0))
+    for given in (Dataset.from_dict({"input_ids": rows.tolist()}), rows):
+        data = TrainingData.from_datasets(given, rows[:4], None, _config(), 0, 1)
+        assert torch.equal(data.sampler.rows(1), rows[4:8]) and torch.equal(data.held_out, rows[:4])
+
+
+def test_an_eval_dataset_is_held_out_whole_and_never_trained_on(tmp_path):
+    tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, "jsonl")
+    held = _write_jsonl(tmp_path / "held_out.jsonl", [{"text": d} for d in _documents(40)[-6:]])
+    for streaming in (False, True):
+        data = training_data(_config(dataset=dataset, eval_dataset=held, streaming=streaming), tokenizer, 0, 1)
+        assert torch.equal(data.held_out, build_token_blocks(held, tokenizer, 8))
+        trained = build_token_blocks(dataset, tokenizer, 8)
+        assert _steps(data.sampler, range(2)) == [trained[:4].tolist(), trained[4:8].tolist()]

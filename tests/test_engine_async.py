@@ -244,3 +244,62 @@ def test_pipedream_2bw_with_error_feedback_equals_the_emulator(world_size):
 def test_pipedream_2bw_with_muon_and_error_feedback_on_pp2_dp2_equals_the_emulator():
     """Muon (bf16 Newton–Schulz, the same kernels on both sides) + Error Feedback, pp 2 × dp 2."""
     _check(run_ranks(4, _worker, 2, ["tiny-qwen3-moe"], ["muon"], "pipedream-2bw", 0, True))
+
+
+def _evaluating(rank, world_size, pp_size, schedule, emulate_depth, evaluate_after, data_dp=1):
+    """Train STEPS steps, evaluating held-out rows after each step in `evaluate_after`; returns
+    (train losses, eval losses, final weights) on the rank holding the gathered state. The rows are
+    those of `data_dp` replicas; a rank with fewer dp replicas takes larger microbatches of them. The
+    aux loss is off: it is not linear in the microbatch size, so different splits would train apart."""
+    import torch
+
+    from hf_asyncpp.checkpoint import gather_full_state_dict
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), pp_size)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        model_config.router_aux_loss_coef = 0.0
+        dp, d = layout.dp_size, layout.dp_rank
+        config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=pp_size, schedule=schedule, optimizer="adamw",
+                             learning_rate=3e-3, seq_len=SEQ, micro_batch_size=MBS * data_dp // dp, n_microbatches=M,
+                             seed=4, max_steps=STEPS, emulate_pp_size=emulate_depth)
+        engine = PipelineEngine(config, model_config, layout)
+        rows = [r.chunk(dp)[d] for r in _rows(model_config.vocab_size, data_dp)]
+        held_out = torch.randint(0, model_config.vocab_size, (data_dp * MBS * M, SEQ),
+                                 generator=torch.Generator().manual_seed(5)).chunk(dp)[d]
+        losses, evals = [], []
+        for k in range(STEPS):
+            losses.append(engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None).loss)
+            if k + 1 in evaluate_after:
+                evals.append(engine.eval_step(held_out)[0])
+        engine.finish()
+        state = gather_full_state_dict(engine.stage_state_dict(), layout)
+        return None if state is None else (losses, evals, {k: v.tolist() for k, v in state.items()})
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule, world_size, after", [
+    ("pipedream-2bw", 2, (2, 4)), ("pipedream-2bw", 4, (2, 4)), ("pipedream", 2, (2, 4)),
+    ("wpipe", 2, (STEPS,)),  # its updates straddle step boundaries: only the final weights are consistent
+])
+def test_an_asynchronous_pipeline_evaluates_mid_run_without_disturbing_training(schedule, world_size, after):
+    """Evaluation after steps 2 and 4 of an asynchronous pipeline (pp 2; at 4 ranks pp 2 × dp 2 with
+    sharded masters) measures the newest weights: the emulator's evaluation at the same steps, within
+    TOL; the microbatches in flight are untouched, so the per-step losses and the final weights equal
+    those of the same run without evaluation bit for bit."""
+    evaluated = next(r for r in run_ranks(world_size, _evaluating, 2, schedule, 0, after, world_size // 2) if r)
+    emulated = run_ranks(1, _evaluating, 1, schedule, 2, after, world_size // 2)[0]
+    assert len(evaluated[1]) == len(after)
+    assert evaluated[1] == pytest.approx(emulated[1], abs=TOL)
+    if schedule == "pipedream-2bw":
+        plain = next(r for r in run_ranks(world_size, _evaluating, 2, schedule, 0, (), world_size // 2) if r)
+        assert evaluated[0] == plain[0]
+        assert evaluated[2] == plain[2]
+    else:
+        assert evaluated[0] == pytest.approx(emulated[0], abs=TOL)

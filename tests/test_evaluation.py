@@ -3,7 +3,7 @@
 train.py (one process) holds out the last 20% of a jsonl dataset's rows, evaluates every step and at
 the end; the final validation loss must equal the mean LM loss that plain transformers computes with
 the exported weights on the same held-out rows, batch by batch (fp32, 1e-5), and the model card's
-model-index must carry it.
+model-index must carry it. The shipped `evaluate` metric computes the same summary offline.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import torch
 import yaml
 
+from hf_asyncpp.evaluation import PERPLEXITY_METRIC_PATH, validation_summary
 from tests.test_engine import small_model_config
 from tests.test_run import _env
 
@@ -55,3 +56,17 @@ def test_the_validation_loss_is_the_exported_models_loss_on_the_held_out_rows(tm
     card = (out / "final" / "README.md").read_text()
     metrics = yaml.safe_load(card.split("---")[1])["model-index"][0]["results"][0]["metrics"]
     assert {m["type"]: m["value"] for m in metrics}["loss"] == round(final["eval_loss"], 4)
+
+
+def test_the_shipped_evaluate_metric_loads_offline_and_computes_the_token_weighted_summary(tmp_path, monkeypatch):
+    import evaluate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    losses, tokens = [2.0, 3.5, 1.25], [64, 192, 32]
+    loss = (2.0 * 64 + 3.5 * 192 + 1.25 * 32) / (64 + 192 + 32)  # 2.917, not the plain mean 2.25
+    metric = evaluate.load(PERPLEXITY_METRIC_PATH, cache_dir=str(tmp_path))
+    metric.add_batch(losses=losses[:2], tokens=tokens[:2])
+    metric.add(losses=losses[2], tokens=tokens[2])
+    result = metric.compute()
+    assert result == validation_summary(losses, tokens)
+    assert abs(result["eval_loss"] - loss) < 1e-12 and abs(result["eval_perplexity"] - math.exp(loss)) < 1e-9

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import FORWARD, _add_unshard_reshard, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action, _add_unshard_reshard, _PipelineScheduleRuntime
 
 from .registry import ScheduleSpec
 from .validate import lower_with_comms
 
-__all__ = ["ActionListSchedule", "build_schedule"]
+__all__ = ["ActionListSchedule", "build_eval_schedule", "build_schedule"]
 
 
 class ActionListSchedule(_PipelineScheduleRuntime):
@@ -22,7 +22,8 @@ class ActionListSchedule(_PipelineScheduleRuntime):
     Sharded stages get torch's UNSHARD / RESHARD actions around their compute, as in training.
     """
 
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, actions, spec: ScheduleSpec):
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, actions,
+                 spec: ScheduleSpec | None):
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
         self.spec = spec
         self.pipeline_order = actions
@@ -41,3 +42,19 @@ class ActionListSchedule(_PipelineScheduleRuntime):
 def build_schedule(spec: ScheduleSpec, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
     pp_size = stages[0].group_size
     return ActionListSchedule(stages, n_microbatches, loss_fn, spec.actions(pp_size, n_microbatches), spec)
+
+
+def build_eval_schedule(stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable) -> ActionListSchedule:
+    """A forward-only program (GPipe order: each rank forwards its stages in index order, all
+    microbatches of one before the next) for stages placed in a loop, stage s on rank s mod pp.
+
+    Asynchronous pipelines evaluate through it: their training runtime never finishes a step with an
+    empty pipeline, so evaluation runs beside it, on its own PipelineStage objects, with untagged
+    messages that cannot match the training runtime's tagged ones (async_runtime.py)."""
+    pp_size, n_stages = stages[0].group_size, stages[0].num_stages
+    local = {r: list(range(r, n_stages, pp_size)) for r in range(pp_size)}
+    # torch checks a full training order; its backwards (GPipe's, reversed) are never run.
+    actions = {r: [_Action(s, FORWARD, j) for s in local[r] for j in range(n_microbatches)]
+               + [_Action(s, FULL_BACKWARD, j) for s in reversed(local[r]) for j in range(n_microbatches)]
+               for r in range(pp_size)}
+    return ActionListSchedule(stages, n_microbatches, loss_fn, actions, None)

