@@ -19,6 +19,7 @@ from .models.pipeline_loss import PipelineLoss
 from .optim.delay import StalenessEmulator
 from .schedules import SCHEDULES, ScheduleSpec, check_schedule, get_schedule_spec, register_schedule
 from .schedules.async_order import AsyncOrder
+from .trainer import AsyncPPTrainer, AsyncPPTrainingArguments
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,8 @@ __all__ = [
     "PRESETS",
     "SCHEDULES",
     "AsyncOrder",
+    "AsyncPPTrainer",
+    "AsyncPPTrainingArguments",
     "ConfigError",
     "PipelineEngine",
     "PipelineLoss",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "load_config", "validate_config"]
+__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "check_step_boundaries", "load_config", "validate_config"]
 
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
 
@@ -175,7 +175,7 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
+def check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
     """Training checkpoints (resumed by replaying the actions whose updates were still due,
     schedules/async_order.py: replay_after) and mid-run evaluation need every update unit applied on
     all stages or on none at a step boundary; WPipe's straddle it. The single-process emulator's
@@ -276,9 +276,9 @@ def check_settings(config: TrainConfig, world_size: int):
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if config.save_steps or config.resume_from_checkpoint:
-        _check_step_boundaries(spec, config, "training checkpoints")
+        check_step_boundaries(spec, config, "training checkpoints")
     if config.eval_steps:
-        _check_step_boundaries(spec, config, "evaluations during training (eval_steps; the final one works)")
+        check_step_boundaries(spec, config, "evaluations during training (eval_steps; the final one works)")
     _require(
         world_size % config.pp_size == 0,
         f"world size {world_size} is not divisible by pp_size {config.pp_size}; "

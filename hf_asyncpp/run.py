@@ -54,7 +54,7 @@ def _push(folder: Path, repo_id: str) -> str | None:
 
 
 def train(config, model_config, launch) -> dict:
-    """Run training on this rank; returns the last logged record (main process; {} elsewhere)."""
+    """Run training on this rank; returns the last logged record."""
     from .data import load_tokenizer, training_data
     from .engine import PipelineEngine
     from .loop import TrainingLoop, main_process_first

@@ -20,7 +20,7 @@ from tests.hub_server import LoopbackHub
 TOKEN = "hf_loopbackTestTokenThatMustNeverLeak"
 
 
-def _facts(**overrides):
+def _facts(data_description=None, **overrides):
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.hub import model_card_facts
     from hf_asyncpp.models.presets import build_config
@@ -30,7 +30,8 @@ def _facts(**overrides):
                             **overrides})
     record = {"step": 200, "tokens": 819200, "tokens_per_s": 6123.4, "idle_fraction_per_rank": [0.45, 0.031],
               "weight_version_age_per_stage": [1, 1]}
-    return model_card_facts(config, build_config("tiny-moe"), (2, 2), record, get_schedule_spec(config.schedule))
+    return model_card_facts(config, build_config("tiny-moe"), (2, 2), record, get_schedule_spec(config.schedule),
+                            data_description=data_description)
 
 
 def _metadata(card) -> dict:
@@ -61,6 +62,47 @@ def test_a_synchronous_card_does_not_talk_of_weight_versions():
 
     card = render_model_card(_facts(schedule="1f1b"), "tiny-moe-1f1b")
     assert "synchronous schedule `1f1b`" in card.content and "update(s) old" not in card.content
+
+
+def test_a_hub_dataset_is_named_linked_and_listed_in_the_metadata():
+    from huggingface_hub import EvalResult
+
+    from hf_asyncpp.hub import render_model_card
+
+    facts = _facts(dataset="HuggingFaceFW/fineweb-edu", dataset_config_name="sample-100BT", streaming=True)
+    result = EvalResult(task_type="text-generation", dataset_type="text", dataset_name=facts["data"]["name"],
+                        dataset_split="validation", metric_type="loss", metric_value=2.5)
+    card = render_model_card(facts, "moe-2b", eval_results=[result])
+    metadata = _metadata(card)
+    assert metadata["datasets"] == ["HuggingFaceFW/fineweb-edu"]
+    assert metadata["model-index"][0]["results"][0]["dataset"]["name"] == "HuggingFaceFW/fineweb-edu"
+    assert "[HuggingFaceFW/fineweb-edu](https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu)" in card.content
+    assert "configuration `sample-100BT`, split `train`, streamed" in card.content
+    assert "Shakespeare" not in card.content and "Local data" not in card.content
+
+
+def test_local_data_and_the_offline_corpus_list_no_hub_dataset(tmp_path):
+    from hf_asyncpp.hub import render_model_card
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a b c"}\n')
+    for facts in (_facts(), _facts(dataset=str(corpus))):
+        assert "datasets" not in _metadata(render_model_card(facts, "tiny"))
+    assert f"Local data: `{corpus}`." in render_model_card(_facts(dataset=str(corpus)), "tiny").content
+
+
+def test_a_front_end_description_replaces_the_one_from_config_dataset():
+    """An in-memory front end leaves config.dataset at its default; its own words describe the data."""
+    from hf_asyncpp.hub import render_model_card
+
+    described = "12,000 support tickets (in-house, not public), deduplicated.\nCollected 2025."
+    facts = _facts(data_description=described)
+    assert facts["data"]["name"] == "12,000 support tickets (in-house, not public), deduplicated."
+    card = render_model_card(facts, "tiny")
+    assert described in card.content and "Shakespeare" not in card.content
+    assert "datasets" not in _metadata(card)
+    hub_described = render_model_card(_facts(data_description="my rows", dataset="someone/corpus"), "tiny")
+    assert "my rows" in hub_described.content and "datasets" not in _metadata(hub_described)
 
 
 def _export(tmp_path):

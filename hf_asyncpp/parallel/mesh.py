@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .launch import LaunchInfo
 
-__all__ = ["ParallelLayout", "free_port", "init_parallel", "shutdown_parallel"]
+__all__ = ["ParallelLayout", "free_port", "init_parallel", "mesh_coordinates", "shutdown_parallel"]
 
 
 @dataclass
@@ -52,6 +52,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def mesh_coordinates(rank: int, world_size: int, pp_size: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, dp_size) of `rank`, known before any process group exists."""
+    dp_size = world_size // pp_size
+    return rank // dp_size, rank % dp_size, dp_size
+
+
 def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) -> ParallelLayout:
     if not launch.launched:  # plain `python train.py`: a one-rank group keeps one code path
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -64,18 +70,19 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(
-        backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout_s)
-    )
-    dp_size = launch.world_size // pp_size
+    if not dist.is_initialized():  # a front end's framework (accelerate, under Trainer) may have started it
+        dist.init_process_group(
+            backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout_s)
+        )
+    pp_rank, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, pp_size)
     mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
     return ParallelLayout(
         world_size=launch.world_size,
         rank=launch.rank,
         pp_size=pp_size,
         dp_size=dp_size,
-        pp_rank=launch.rank // dp_size,
-        dp_rank=launch.rank % dp_size,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
         device=device,
         mesh=mesh,
     )

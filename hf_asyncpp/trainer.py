@@ -1,0 +1,308 @@
+"""`AsyncPPTrainer`: a transformers.Trainer whose training loop is the pipeline's.
+
+    trainer = AsyncPPTrainer(model=model, args=AsyncPPTrainingArguments(...), train_dataset=train,
+                             eval_dataset=valid, processing_class=tokenizer)
+    trainer.train()            # or train(resume_from_checkpoint=True)
+    trainer.push_to_hub()
+
+Every process of the launch (accelerate launch / torchrun) builds the same model and Trainer; the
+Trainer cuts the model into this rank's stages and drives the same `TrainingLoop` and
+`PipelineEngine` as train.py. What Trainer users rely on maps onto it: the callbacks decide when to
+log, evaluate and save (DefaultFlowCallback, and any `TrainerControl` a user callback sets, including
+an early stop); log_history holds the train loss (mean since the last log, as Trainer logs it), the
+aux loss beside it, grad norm and learning rate, and eval_loss / eval_perplexity; `report_to`
+reaches the usual integration callbacks; checkpoints are the pipeline's (sharded, every rank) in
+output_dir/checkpoint-<step>, with the log history in them; `save_model` writes the HF export
+(output_dir/final unless told otherwise) and the card describes what was really done (pretraining
+from scratch, the optimizer, the schedule). Gradient clipping is by the global norm over all stages
+and dp ranks for synchronous schedules; asynchronous ones clip each stage by its own norm (a
+pipeline-wide norm would make every stage wait for all others each step).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+
+from transformers import Trainer
+from transformers.trainer_utils import TrainOutput
+
+from .config import ConfigError, check_model_fits, check_settings, check_step_boundaries
+from .loop import LoopHooks, StepDecision, TrainingLoop
+from .trainer_args import AsyncPPTrainingArguments
+
+__all__ = ["AsyncPPTrainer", "AsyncPPTrainingArguments"]
+
+# Trainer arguments that have no meaning here: the pipeline computes the LM loss itself, builds its
+# optimizer from the arguments and feeds packed token blocks without a collator.
+_UNSUPPORTED = ("data_collator", "model_init", "compute_loss_func", "compute_metrics", "optimizers",
+                "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics")
+
+
+def _rows_length(dataset) -> int | None:
+    """seq_len of a dataset that holds input_ids rows (None for text)."""
+    import torch
+
+    if isinstance(dataset, torch.Tensor):
+        return int(dataset.shape[1])
+    features = getattr(dataset, "column_names", None) or []
+    if "input_ids" not in features:
+        return None
+    first = next(iter(dataset))["input_ids"]
+    return len(first)
+
+
+class _TrainerHooks(LoopHooks):
+    """The loop's decisions and events, answered by the Trainer's callbacks and state."""
+
+    def __init__(self, trainer: "AsyncPPTrainer"):
+        self.trainer = trainer
+        self.since_last_log: list = []  # StepResults not yet in a logged mean
+
+    def on_step_begin(self, step: int) -> None:
+        t = self.trainer
+        t.control = t.callback_handler.on_step_begin(t.args, t.state, t.control)
+
+    def after_step(self, result, last_step: int) -> StepDecision:
+        t = self.trainer
+        self.since_last_log.append(result)
+        t.state.global_step = result.step
+        t.state.epoch = result.step / t.steps_per_epoch
+        t.state.num_input_tokens_seen = t.loop.tokens_seen
+        t.control = t.callback_handler.on_step_end(t.args, t.state, t.control)
+        c = t.control
+        decision = StepDecision(log=c.should_log, evaluate=c.should_evaluate, save=c.should_save,
+                                stop=c.should_training_stop)
+        c.should_log = c.should_evaluate = c.should_save = False
+        return decision
+
+    def on_log(self, record: dict) -> None:
+        window, self.since_last_log = self.since_last_log, []
+        self.trainer.log({
+            "loss": sum(r.loss for r in window) / len(window),
+            "aux_loss": sum(r.aux_loss for r in window) / len(window),
+            "grad_norm": record["grad_norm"],
+            "learning_rate": record["lr"],
+            "tokens_per_second": record["tokens_per_s"],
+        })
+
+    def on_evaluate(self, results: dict) -> None:
+        t = self.trainer
+        metrics = {k: v for k, v in results.items() if k.startswith("eval_")}
+        t.log(metrics)
+        t.control = t.callback_handler.on_evaluate(t.args, t.state, t.control, metrics=metrics)
+
+    def on_save(self, path: Path) -> None:
+        t = self.trainer
+        t.control = t.callback_handler.on_save(t.args, t.state, t.control)
+
+    def checkpoint_state(self) -> dict:
+        return {"log_history": self.trainer.state.log_history}
+
+
+class AsyncPPTrainer(Trainer):
+    def __init__(self, model=None, args: AsyncPPTrainingArguments | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, callbacks=None, **unsupported):
+        given = sorted(k for k, v in unsupported.items() if k in _UNSUPPORTED and v not in (None, (None, None)))
+        if given:
+            raise ConfigError(f"AsyncPPTrainer does not take {', '.join(given)}: the pipeline computes the LM loss "
+                              "(+ aux loss), builds its optimizer from args.optimizer and packs token blocks itself")
+        unknown = sorted(set(unsupported) - set(_UNSUPPORTED))
+        if unknown:
+            raise TypeError(f"AsyncPPTrainer got unexpected argument(s): {', '.join(unknown)}")
+        if not isinstance(args, AsyncPPTrainingArguments):
+            raise ConfigError("AsyncPPTrainer needs args=AsyncPPTrainingArguments(...) (TrainingArguments plus the "
+                              "pipeline's schedule, pp_size, n_microbatches, optimizer, momentum, ef, ef_lambda)")
+        if model is None:
+            raise ConfigError("AsyncPPTrainer needs a model (an HF causal LM; every process builds the same one)")
+        if train_dataset is None:
+            raise ConfigError("AsyncPPTrainer needs a train_dataset (token rows or text to pack)")
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ConfigError(f"eval_strategy is '{args.eval_strategy.value}' but there is no eval_dataset: "
+                              "pass eval_dataset or set eval_strategy to 'no'")
+        config = self._config_for(args, model.config, train_dataset, eval_dataset, processing_class)
+        data = self._prepare_data(args, config, model, train_dataset, eval_dataset, processing_class)
+        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, callbacks=callbacks)
+        # The launch's ranks, not accelerate's view (which on CPU may not see the launch as distributed).
+        self.state.is_world_process_zero = self.is_world_process_zero()
+        self.state.is_local_process_zero = self.is_local_process_zero()
+        self.loop = self._start_pipeline(config, model, data, processing_class)
+        self._trained = False
+
+    def is_world_process_zero(self) -> bool:
+        return os.environ.get("RANK", "0") == "0"
+
+    def is_local_process_zero(self) -> bool:
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _config_for(args, model_config, train_dataset, eval_dataset, tokenizer):
+        """The TrainConfig of this run, checked against the model and the tokenizer (ConfigError)."""
+        from .models import UnsupportedModelError, family_for
+        from .schedules import get_schedule_spec
+
+        rows_length = _rows_length(train_dataset)
+        if rows_length is None and tokenizer is None:
+            raise ConfigError("train_dataset holds text: pass processing_class=<tokenizer> (or tokenized input_ids rows)")
+        if rows_length is None and args.seq_len is None:
+            raise ConfigError("train_dataset holds text: set seq_len in AsyncPPTrainingArguments (the block length)")
+        if rows_length is not None and args.seq_len not in (None, rows_length):
+            raise ConfigError(f"seq_len is {args.seq_len} but train_dataset's input_ids rows hold {rows_length} tokens")
+        config = args.to_train_config(seq_len=args.seq_len or rows_length)
+        try:
+            family_for(model_config)
+        except UnsupportedModelError as err:
+            raise ConfigError(str(err)) from None
+        if tokenizer is not None and len(tokenizer) > model_config.vocab_size:
+            raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                              f"{model_config.vocab_size}")
+        check_model_fits(config, model_config)
+        spec = get_schedule_spec(config.schedule)
+        if args.save_strategy == "steps":
+            check_step_boundaries(spec, dataclasses.replace(config, save_steps=1), "training checkpoints")
+        if args.eval_strategy == "steps":
+            check_step_boundaries(spec, config, "evaluations during training (eval_strategy 'steps'; the final one works)")
+        return config
+
+    def _prepare_data(self, args, config, model, train_dataset, eval_dataset, tokenizer):
+        """This dp rank's packed data, checked against the model's vocabulary; max_steps and warm-up
+        from it when the arguments give epochs (everything before the Trainer writes anything)."""
+        from .data import TrainingData
+        from .parallel.launch import read_launch
+        from .parallel.mesh import mesh_coordinates
+
+        launch = read_launch()
+        _, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, config.pp_size)
+        try:
+            data = TrainingData.from_datasets(train_dataset, eval_dataset, tokenizer, config, dp_rank, dp_size)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(str(err)) from None
+        blocks = getattr(data.sampler, "blocks", None)  # None for a streamed train set
+        for name, rows in (("train_dataset", blocks), ("eval_dataset", data.held_out)):
+            if rows is not None and rows.numel() and int(rows.max()) >= model.config.vocab_size:
+                raise ConfigError(f"{name} holds token id {int(rows.max())}, beyond the model's vocab_size "
+                                  f"{model.config.vocab_size}: the tokenizer does not belong to this model")
+        self.steps_per_epoch = blocks.shape[0] / (config.rows_per_step * dp_size) if blocks is not None else math.inf
+        if args.max_steps <= 0:
+            if blocks is None:
+                raise ConfigError("a streamed train_dataset has no length: set max_steps")
+            config.max_steps = max(1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
+        config.warmup_steps = args.get_warmup_steps(config.max_steps)
+        check_settings(config, launch.world_size)
+        return data
+
+    def _start_pipeline(self, config, model, data, tokenizer) -> TrainingLoop:
+        """The process groups (if the launch has none yet), this rank's stages, the loop."""
+        from .engine import PipelineEngine
+        from .parallel.launch import read_launch
+        from .parallel.mesh import init_parallel
+
+        layout = init_parallel(read_launch(), config.pp_size)
+        engine = PipelineEngine(config, model.config, layout, model=model)
+        atexit.register(self._shutdown)
+        return TrainingLoop(config, model.config, layout, engine, data, tokenizer, hooks=_TrainerHooks(self),
+                            report_to=[], progress_bar=False)
+
+    def _shutdown(self) -> None:
+        """Tear the process group down at exit after a completed run (gloo can abort otherwise); after a
+        failure it is left to the process's end, since a barrier could wait for a dead peer."""
+        from .parallel.mesh import shutdown_parallel
+
+        if self._trained:
+            shutdown_parallel()
+
+    # --- training -------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
+              **kwargs) -> TrainOutput:
+        """Run the pipeline to max_steps (or a callback's stop). `resume_from_checkpoint`: True for the
+        newest complete checkpoint in output_dir, or a checkpoint directory."""
+        from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
+
+        if self._trained:
+            raise RuntimeError("this AsyncPPTrainer has trained already; build a new one to train again")
+        loop, args, state = self.loop, self.args, self.state
+        if resume_from_checkpoint:
+            where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+            try:
+                verify_checkpoint(find_checkpoint(where, args.output_dir))
+            except (CheckpointError, OSError, ValueError) as err:
+                raise ConfigError(str(err)) from None
+            loop.resume(where)
+            state.log_history = list(loop.checkpoint_state.get("log_history", []))
+        state.max_steps = loop.end_step
+        state.compute_steps(args, loop.end_step)
+        state.global_step = loop.start_step
+        state.train_batch_size = loop.config.rows_per_step
+        state.num_train_epochs = math.ceil(loop.end_step / self.steps_per_epoch) if self.steps_per_epoch < math.inf else 0
+        self.control = self.callback_handler.on_train_begin(args, state, self.control)
+        start = time.time()
+        loop.run()
+        self._trained = True
+        losses = [r["loss"] for r in state.log_history if "loss" in r]
+        train_loss = sum(losses) / len(losses) if losses else float("nan")
+        runtime = time.time() - start
+        metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
+                   "train_tokens_per_second": round(loop.tokens_seen / runtime, 3) if runtime else 0.0}
+        self.log(metrics)
+        self.control = self.callback_handler.on_train_end(args, state, self.control)
+        return TrainOutput(state.global_step, train_loss, metrics)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Validation loss, aux loss and perplexity of the eval_dataset given at construction, through
+        the pipeline (collective: call on every process)."""
+        if eval_dataset is not None:
+            raise ValueError("AsyncPPTrainer evaluates the eval_dataset it was built with (its blocks are packed "
+                             "and split over dp ranks once); build a new trainer for another one")
+        if self.loop.data.held_out is None:
+            raise ValueError("there is no eval_dataset to evaluate: pass one to AsyncPPTrainer")
+        results = self.loop.evaluate(self.state.global_step)
+        metrics = {f"{metric_key_prefix}_{k[len('eval_'):]}": v for k, v in results.items() if k.startswith("eval_")}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    # --- what the run leaves ----------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The HF export (safetensors, config, tokenizer, model card) in `output_dir`, by default
+        output_dir/final (collective: call on every process). The directory is replaced whole."""
+        out = Path(output_dir) if output_dir else Path(self.args.output_dir) / "final"
+        if out.resolve() == Path(self.args.output_dir).resolve():
+            raise ValueError(f"save_model would replace {out}, which holds the run's checkpoints; "
+                             "export into a subdirectory (default: final/)")
+        self.loop.export(out, self.args.hub_model_id)
+
+    def create_model_card(self, model_name: str | None = None, **kwargs) -> None:
+        """The card of the export in output_dir/final (the loop's, not Trainer's fine-tuning draft)."""
+        if self.is_world_process_zero():
+            final = Path(self.args.output_dir) / "final"
+            final.mkdir(parents=True, exist_ok=True)
+            (final / "README.md").write_text(self.loop.model_card(self.args.hub_model_id or model_name))
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None,
+                    **kwargs) -> str | None:
+        """Export to output_dir/final and upload it to args.hub_model_id (collective; the commit URL on
+        the main process, None elsewhere)."""
+        from .hub import push_to_hub
+
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        self.save_model()
+        if not self.is_world_process_zero():
+            return None
+        repo_id = self.args.hub_model_id or Path(self.args.output_dir).name
+        return push_to_hub(Path(self.args.output_dir) / "final", repo_id, token=token or self.args.hub_token,
+                           private=bool(private if private is not None else self.args.hub_private_repo),
+                           commit_message=commit_message or "End of training")
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Nothing at construction: push_to_hub creates the repository when it uploads."""
+        self.hub_model_id = self.args.hub_model_id

@@ -1,0 +1,85 @@
+"""`AsyncPPTrainingArguments`: transformers' TrainingArguments plus the pipeline's fields.
+
+The arguments become a `TrainConfig` (config.py) at construction, so a bad value (unknown pipeline
+key, wrong type, negative learning rate, unknown schedule or optimizer, …) raises one `ConfigError`
+before TrainingArguments sets up devices and before any process group starts. What the Trainer
+fields mean for the pipeline:
+
+- per_device_train_batch_size is the microbatch size; n_microbatches microbatches make one step on
+  each dp rank (the role gradient_accumulation_steps plays in Trainer, which must stay 1);
+- learning_rate, weight_decay, adam_beta2, max_grad_norm, lr_scheduler_type, warmup_steps, max_steps
+  (or num_train_epochs), seed, logging/eval/save steps, save_total_limit and hub_model_id keep their
+  meaning; `momentum` (default: adam_beta1) is the optimizer's first-moment / momentum coefficient;
+- bf16 turns on bf16 compute with fp32 master weights; fp16 is refused;
+- report_to defaults to tensorboard.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .config import ConfigError, TrainConfig, _coerce, check_settings, load_config
+
+__all__ = ["AsyncPPTrainingArguments"]
+
+# Pipeline fields of these arguments that are TrainConfig keys under the same name.
+_PIPELINE_KEYS = ("schedule", "pp_size", "n_microbatches", "optimizer", "ef", "ef_lambda", "mixed_precision")
+
+
+@dataclass
+class AsyncPPTrainingArguments(TrainingArguments):
+    schedule: str = field(default="1f1b", metadata={"help": "gpipe, 1f1b, interleaved-1f1b, zbv, pipedream-2bw, "
+                                                             "pipedream, wpipe (hf-asyncpp schedules)"})
+    pp_size: int = field(default=2, metadata={"help": "pipeline stages' ranks; dp = world size / pp_size"})
+    n_microbatches: int = field(default=4, metadata={"help": "microbatches per step on each dp rank"})
+    optimizer: str = field(default="adamw", metadata={"help": "adamw, muon, soap, lion, sgd"})
+    momentum: float | None = field(default=None, metadata={"help": "momentum / beta1 (default: adam_beta1)"})
+    ef: bool = field(default=False, metadata={"help": "Error Feedback around the optimizer's update"})
+    ef_lambda: float = field(default=1.0, metadata={"help": "Error Feedback strength λ"})
+    seq_len: int | None = field(default=None, metadata={"help": "tokens per row (default: the dataset's rows)"})
+    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPUs), bf16, no"})
+    pipeline_config: dict | None = field(default=None, metadata={
+        "help": "any other TrainConfig key (e.g. muon_lr_scale, soap_precondition_frequency, stage_balance)"})
+    report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "trackers; 'none' for none"})
+
+    def __post_init__(self):
+        self.pipeline = self.to_train_config()
+        check_settings(self.pipeline, int(os.environ.get("WORLD_SIZE", "1")))
+        super().__post_init__()
+
+    def to_train_config(self, max_steps: int | None = None, seq_len: int | None = None) -> TrainConfig:
+        """The run's TrainConfig. Before the datasets are known, max_steps ≤ 0 (epochs) and an unset
+        seq_len stand as 1 and TrainConfig's default; the Trainer fills them in."""
+        if self.gradient_accumulation_steps != 1:
+            raise ConfigError("gradient_accumulation_steps must be 1: a pipeline step already accumulates "
+                              "n_microbatches microbatches (set n_microbatches instead)")
+        if self.fp16:
+            raise ConfigError("fp16 is not supported: use bf16 (fp32 master weights, bf16 compute)")
+        scheduler = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        values = {
+            **{key: getattr(self, key) for key in _PIPELINE_KEYS},
+            "momentum": self.adam_beta1 if self.momentum is None else self.momentum,
+            "beta2": self.adam_beta2, "learning_rate": self.learning_rate, "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm, "lr_scheduler_type": scheduler, "seed": self.seed,
+            "micro_batch_size": self.per_device_train_batch_size, "output_dir": self.output_dir,
+            "save_total_limit": self.save_total_limit, "hub_model_id": self.hub_model_id,
+            "max_steps": max_steps or (self.max_steps if self.max_steps > 0 else 1),
+            "report_to": [], "save_final": False, "push_to_hub": False,  # the Trainer's callbacks and methods do these
+        }
+        if self.bf16:
+            values["mixed_precision"] = "bf16"
+        if seq_len or self.seq_len:
+            values["seq_len"] = seq_len or self.seq_len
+        extra = dict(self.pipeline_config or {})
+        clashes = sorted(set(extra) & (set(values) | {"logging_steps", "eval_steps", "save_steps", "warmup_steps"}))
+        if clashes:
+            raise ConfigError(f"pipeline_config sets {', '.join(clashes)}, which are training arguments: set them there")
+        unknown = sorted(set(extra) - set(TrainConfig.__dataclass_fields__))
+        if unknown:
+            load_config(None, [f"--{k}={v}" for k, v in extra.items()])  # raises the config's unknown-key error
+        config = TrainConfig(**{k: _coerce(k, v) for k, v in {**values, **extra}.items() if v is not None})
+        config.save_total_limit = self.save_total_limit
+        return config

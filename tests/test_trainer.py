@@ -1,0 +1,217 @@
+"""AsyncPPTrainer: a transformers.Trainer on the pipeline, launched as a user's script under torchrun.
+
+- The Trainer and train.py run one engine: the same config and data give the same per-step losses and
+  validation losses (pp 2, PipeDream-2BW + Error Feedback, AdamW, clipping, warm-up, linear decay).
+- A Trainer run saves at save_steps; `train(resume_from_checkpoint=...)` in a new launch continues with
+  identical losses and keeps the log history; `push_to_hub` reaches the loopback Hub with the export
+  and a card that says what was done.
+- A callback's stop ends an asynchronous pipeline one step later, drained (its next minibatch was
+  already in flight).
+- Bad input is one ConfigError before any process group starts, with nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tests.hub_server import LoopbackHub
+from tests.test_engine import small_model_config
+
+SEQ, MBS, M, STEPS = 16, 2, 4, 6
+TOKEN = "hf_loopbackTrainerToken"
+# The same run in both front ends' words (TrainingArguments names ↔ TrainConfig keys).
+TRAINER_SETTINGS = dict(schedule="pipedream-2bw", pp_size=2, n_microbatches=M, optimizer="adamw", ef=True,
+                        per_device_train_batch_size=MBS, learning_rate=3e-3, adam_beta2=0.95, weight_decay=0.01,
+                        max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1, max_steps=STEPS,
+                        logging_steps=1, eval_strategy="steps", eval_steps=3, save_steps=3, seed=11,
+                        report_to="none")
+SCRIPT_SETTINGS = dict(schedule="pipedream-2bw", pp_size=2, n_microbatches=M, optimizer="adamw", ef="true",
+                       micro_batch_size=MBS, learning_rate=3e-3, beta2=0.95, momentum=0.9, weight_decay=0.01,
+                       max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1, max_steps=STEPS,
+                       logging_steps=1, eval_steps=3, seed=11, seq_len=SEQ, report_to="none")
+
+
+def _env(**extra):
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", **extra}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    config = small_model_config("tiny-qwen3-moe")
+    config.vocab_size = 8192  # the built-in tokenizer's size
+    config.save_pretrained(root / "model")
+    rows = torch.randint(0, 8192, (80, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
+    (root / "train.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows[:64]))
+    (root / "eval.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows[64:]))
+    return root
+
+
+def _trainer_run(corpus, out, *extra, env=None, **settings):
+    command = ["torchrun", "--nproc_per_node", "2", "tests/trainer_script.py", str(out), str(corpus / "model"),
+               str(corpus / "train.jsonl"), str(corpus / "eval.jsonl"), *extra]
+    for key, value in {**TRAINER_SETTINGS, **settings}.items():
+        command += [f"--{key}", json.dumps(value)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env or _env(), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "log_history.json").read_text())
+
+
+def _losses(history, key="loss"):
+    return {r["step"]: r[key] for r in history if key in r}
+
+
+@pytest.mark.multirank
+def test_the_trainer_and_train_py_share_one_engine_and_a_trainer_run_resumes_and_pushes(corpus, tmp_path):
+    with LoopbackHub() as hub:
+        hub_env = _env(HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE="0", HF_TOKEN=TOKEN)
+        straight = _trainer_run(corpus, tmp_path / "trainer", "--push", env=hub_env,
+                                hub_model_id="team/tiny-async")["log_history"]
+    # train.py on the same config and data
+    command = ["torchrun", "--nproc_per_node", "2", "training_scripts/train.py", "--model_config",
+               str(corpus / "model"), "--dataset", str(corpus / "train.jsonl"), "--eval_dataset",
+               str(corpus / "eval.jsonl"), "--output_dir", str(tmp_path / "script")]
+    for key, value in SCRIPT_SETTINGS.items():
+        command += [f"--{key}", str(value)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "script" / "metrics.jsonl").read_text().splitlines()]
+    script_losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    script_evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+
+    trainer_losses = _losses(straight)
+    assert sorted(trainer_losses) == list(range(1, STEPS + 1))
+    assert trainer_losses == script_losses  # one engine, the same arithmetic: equal to the bit
+    assert _losses(straight, "eval_loss") == script_evals == pytest.approx({3: script_evals[3], 6: script_evals[6]})
+    assert all("aux_loss" in r and "grad_norm" in r and "learning_rate" in r for r in straight if "loss" in r)
+
+    # Saved at save_steps (3 and 6); resumed in a new launch from step 3: identical losses after it.
+    assert (tmp_path / "trainer" / "checkpoint-3" / "manifest.json").is_file()
+    resumed = _trainer_run(corpus, tmp_path / "trainer", "--resume", str(tmp_path / "trainer" / "checkpoint-3"))
+    assert resumed["global_step"] == STEPS
+    assert _losses(resumed["log_history"]) == trainer_losses  # steps 1-3 from the checkpoint, 4-6 recomputed
+
+    # The push: the export and a card that describes pretraining with this schedule and optimizer.
+    files = hub.received["team/tiny-async"]
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= set(files)
+    card = files["README.md"].decode()
+    metadata = yaml.safe_load(card.split("---")[1])
+    assert "hf_asyncpp" in json.dumps(metadata)
+    assert "pipedream-2bw" in card.lower() and "adamw" in card.lower()
+    assert "fine-tuned" not in card.lower()
+    assert TOKEN not in card
+
+
+@pytest.mark.multirank
+def test_a_callbacks_stop_ends_an_asynchronous_pipeline_one_drained_step_later(corpus, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    history = _trainer_run(corpus, tmp_path / "stopped", "--stop_after", "2", eval_strategy="no", save_steps=0)
+    assert history["global_step"] == 3  # minibatch 3 was in flight when the callback stopped training
+    assert sorted(_losses(history["log_history"])) == [1, 2, 3]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "stopped" / "final")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# --- bad input: one ConfigError, no process group, nothing written ---------------------------------
+
+def _dataset(rows):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": rows.tolist()})
+
+
+def _model(**overrides):
+    from transformers import AutoModelForCausalLM
+
+    config = small_model_config("tiny-qwen3-moe")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _args(out, **overrides):
+    from hf_asyncpp import AsyncPPTrainingArguments
+
+    return AsyncPPTrainingArguments(output_dir=str(out), **{**dict(pp_size=1, max_steps=2, report_to="none",
+                                                                   per_device_train_batch_size=MBS), **overrides})
+
+
+def _rows(n=32, length=SEQ, high=100):
+    return torch.randint(0, high, (n, length), generator=torch.Generator().manual_seed(1))
+
+
+BAD_ARGUMENTS = {
+    "unknown pipeline key": (dict(pipeline_config={"muon_lr_scal": "original"}), "unknown config key"),
+    "wrong type": (dict(pp_size="two"), "'pp_size' expects int, got 'two'"),
+    "negative learning rate": (dict(learning_rate=-1e-3), "learning_rate must be positive"),
+    "unknown schedule": (dict(schedule="pipedream-3bw"), "pipedream-3bw"),
+    "gradient accumulation": (dict(gradient_accumulation_steps=4), "set n_microbatches instead"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_training_arguments_fail_before_any_process_group(case, tmp_path):
+    import torch.distributed as dist
+
+    from hf_asyncpp import ConfigError
+
+    overrides, message = BAD_ARGUMENTS[case]
+    with pytest.raises(ConfigError, match=message):
+        _args(tmp_path / "out", **overrides)
+    assert not dist.is_initialized() and not (tmp_path / "out").exists()
+
+
+def test_an_unknown_argument_names_itself(tmp_path):
+    from hf_asyncpp import AsyncPPTrainer
+
+    with pytest.raises(TypeError, match="pipline_size"):
+        _args(tmp_path / "out", pipline_size=2)
+    with pytest.raises(TypeError, match="warmup"):
+        AsyncPPTrainer(model=_model(), args=_args(tmp_path / "out"), train_dataset=_dataset(_rows()), warmup=3)
+    assert not (tmp_path / "out").exists()
+
+
+def _bad_trainers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from hf_asyncpp.data import BUILTIN_TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(str(BUILTIN_TOKENIZER_DIR))  # 8192 tokens
+    out = tmp_path / "out"
+    return {
+        "missing dataset": (dict(model=_model(), args=_args(out), train_dataset=None), "needs a train_dataset"),
+        "tokenizer larger than the model's vocabulary": (
+            dict(model=_model(vocab_size=1000), args=_args(out), train_dataset=_dataset(_rows()),
+                 processing_class=tokenizer), "the tokenizer has 8192 tokens but the model's vocab_size is 1000"),
+        "token ids beyond the vocabulary": (
+            dict(model=_model(vocab_size=1000), args=_args(out), train_dataset=_dataset(_rows(high=5000))),
+            "beyond the model's vocab_size 1000"),
+        "rows longer than the model's positions": (
+            dict(model=_model(max_position_embeddings=8), args=_args(out), train_dataset=_dataset(_rows())),
+            "seq_len 16 exceeds the model's max_position_embeddings"),
+        "evaluation without an evaluation set": (
+            dict(model=_model(), args=_args(out, eval_strategy="steps", eval_steps=1), train_dataset=_dataset(_rows())),
+            "no eval_dataset"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing dataset", "tokenizer larger than the model's vocabulary",
+                                  "token ids beyond the vocabulary", "rows longer than the model's positions",
+                                  "evaluation without an evaluation set"])
+def test_a_bad_trainer_fails_with_one_message_before_any_process_group(case, tmp_path):
+    import torch.distributed as dist
+
+    from hf_asyncpp import AsyncPPTrainer, ConfigError
+
+    kwargs, message = _bad_trainers(tmp_path)[case]
+    with pytest.raises(ConfigError, match=message):
+        AsyncPPTrainer(**kwargs)
+    assert not dist.is_initialized() and not (tmp_path / "out").exists()

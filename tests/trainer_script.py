@@ -1,0 +1,61 @@
+"""A user's Trainer script, as tests launch it under torchrun: build the model and datasets, train
+with AsyncPPTrainer, optionally resume and push. Writes log_history.json in output_dir (main process).
+
+    torchrun --nproc_per_node 2 tests/trainer_script.py OUT MODEL_DIR TRAIN.jsonl EVAL.jsonl [--key value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str]) -> int:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hf_asyncpp import AsyncPPTrainer, AsyncPPTrainingArguments
+    from hf_asyncpp.data import BUILTIN_TOKENIZER_DIR
+
+    parser = argparse.ArgumentParser()
+    for name in ("output_dir", "model_dir", "train", "eval"):
+        parser.add_argument(name)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--push", action="store_true")
+    parser.add_argument("--stop_after", type=int, default=0)
+    known, rest = parser.parse_known_args(argv)
+    settings = {rest[i].lstrip("-"): json.loads(rest[i + 1]) for i in range(0, len(rest), 2)}
+
+    torch.manual_seed(settings.get("seed", 42))  # every process builds the same model
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(known.model_dir), dtype=torch.float32)
+    train = load_dataset("json", data_files=known.train, split="train")
+    evaluation = load_dataset("json", data_files=known.eval, split="train")
+    args = AsyncPPTrainingArguments(output_dir=known.output_dir, **settings)
+    callbacks = []
+    if known.stop_after:
+        from transformers import TrainerCallback
+
+        class StopAt(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == known.stop_after:
+                    control.should_training_stop = True
+
+        callbacks.append(StopAt())
+    tokenizer = AutoTokenizer.from_pretrained(str(BUILTIN_TOKENIZER_DIR))
+    trainer = AsyncPPTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                             processing_class=tokenizer, callbacks=callbacks)
+    output = trainer.train(resume_from_checkpoint=known.resume)
+    if known.push:
+        print("pushed:", trainer.push_to_hub())
+    else:
+        trainer.save_model()
+    if trainer.is_world_process_zero():
+        with open(f"{known.output_dir}/log_history.json", "w") as f:
+            json.dump({"log_history": trainer.state.log_history, "global_step": output.global_step}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
