@@ -4,6 +4,7 @@ Mixture-of-Experts causal LMs on torch.distributed.pipelining."""
 from .checkpoint import export_hf_model, gather_full_state_dict
 from .config import ConfigError, TrainConfig, load_config, validate_config
 from .engine import PipelineEngine, build_full_model
+from .evaluation import PERPLEXITY_METRIC_PATH
 from .metrics import StepResult
 from .models import (
     FAMILIES,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FAMILIES",
+    "PERPLEXITY_METRIC_PATH",
     "PRESETS",
     "SCHEDULES",
     "AsyncOrder",

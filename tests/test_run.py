@@ -89,6 +89,13 @@ def _check_run(out, expected_losses, reference_model, n_ranks, delay=0):
     assert records[-1]["tokens"] == STEPS * MBS * M * SEQ
     assert [r["loss"] for r in records] == pytest.approx(expected_losses, abs=1e-5)
     assert all(r["aux_loss"] > 0 for r in records)
+    # By default the run also reports to tensorboard (output_dir/runs) and draws its loss curves.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "runs")).Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
+    assert (out / "loss_curves.png").read_bytes().startswith(b"\x89PNG")
     exported = AutoModelForCausalLM.from_pretrained(out / "final")
     ours, theirs = dict(exported.named_parameters()), dict(reference_model.named_parameters())
     assert ours.keys() == theirs.keys()
