@@ -107,6 +107,7 @@ class TrainingLoop:
         self.last_record: dict = {}
         self.final_eval: dict | None = None
         self.end_step = config.max_steps
+        self.data_description: str | None = None  # the card's data section, when not config.dataset's
         self.writer = self.reporters = None  # opened at the first record (main process)
 
     def resume(self, resume_from: str) -> None:
@@ -217,7 +218,7 @@ class TrainingLoop:
 
         layout = self.layout
         facts = model_card_facts(self.config, self.model_config, (layout.pp_size, layout.dp_size), self.last_record,
-                                 self.engine.spec)
+                                 self.engine.spec, data_description=self.data_description)
         name = repo_id.split("/")[-1] if repo_id else Path(self.config.output_dir).name
         results = eval_results(self.final_eval, facts["data"]["name"]) if self.final_eval else None
         return render_model_card(facts, name, repo_id=repo_id, eval_results=results).content

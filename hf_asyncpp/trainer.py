@@ -56,6 +56,21 @@ def _rows_length(dataset) -> int | None:
     return len(first)
 
 
+def _describe(train_dataset, eval_dataset) -> str:
+    """The model card's data section for datasets handed to the Trainer."""
+    def one(dataset) -> str:
+        info = getattr(dataset, "info", None)
+        name = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None) or type(dataset).__name__
+        size = f"{len(dataset)} rows" if hasattr(dataset, "__len__") else "streamed"
+        columns = getattr(dataset, "column_names", None)
+        return f"`{name}` ({size}" + (f"; columns: {', '.join(columns)})" if columns else ")")
+
+    text = f"Pretraining data: the train_dataset given to AsyncPPTrainer, {one(train_dataset)}."
+    if eval_dataset is not None:
+        text += f" Validation: {one(eval_dataset)}, held out."
+    return text
+
+
 class _TrainerHooks(LoopHooks):
     """The loop's decisions and events, answered by the Trainer's callbacks and state."""
 
@@ -132,6 +147,7 @@ class AsyncPPTrainer(Trainer):
         self.state.is_world_process_zero = self.is_world_process_zero()
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.loop = self._start_pipeline(config, model, data, processing_class)
+        self.loop.data_description = _describe(train_dataset, eval_dataset)
         self._trained = False
 
     def is_world_process_zero(self) -> bool:

@@ -106,6 +106,7 @@ def test_the_trainer_and_train_py_share_one_engine_and_a_trainer_run_resumes_and
     assert "hf_asyncpp" in json.dumps(metadata)
     assert "pipedream-2bw" in card.lower() and "adamw" in card.lower()
     assert "fine-tuned" not in card.lower()
+    assert "train_dataset given to AsyncPPTrainer" in card and "shakespeare" not in card.lower()
     assert TOKEN not in card
 
 
