@@ -1,6 +1,7 @@
 """The `hf-asyncpp` command: `hf-asyncpp train --config ...` (same as training_scripts/train.py),
 `hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp plot <run_dir> ...`
-(loss curves as PNG) and `hf-asyncpp schedules` (print each registered schedule's action lists)."""
+(loss curves as PNG), `hf-asyncpp study <study.yaml>` (a grid of runs with a results table and
+figures) and `hf-asyncpp schedules` (print each registered schedule's action lists)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,29 @@ commands:
   plot RUN_DIR [RUN_DIR ...] [--out FILE] [--x step|tokens]
                                             loss curves from metrics.jsonl: one run to
                                             RUN_DIR/loss_curves.png, several to ./loss_comparison.png
+  study STUDY.yaml [--report-only]           run (or continue) a study: optimizer × delay × EF × momentum ×
+                                            depth × seed; writes results.md/.csv/.json and figures
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
 """
+
+
+def _study(argv: list[str]) -> int:
+    import argparse
+
+    from .study import StudyError, load_study, report, run_study
+
+    parser = argparse.ArgumentParser(prog="hf-asyncpp study")
+    parser.add_argument("study")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the table and figures, run nothing")
+    args = parser.parse_args(argv)
+    try:
+        paths = report(load_study(args.study)) if args.report_only else run_study(args.study)
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
 
 
 def _push(argv: list[str]) -> int:
@@ -97,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return _show_schedules(rest)
     if command == "push":
         return _push(rest)
+    if command == "study":
+        return _study(rest)
     if command == "plot":
         return _plot(rest)
     print(f"unknown command '{command}'\n{_USAGE}", file=sys.stderr)

@@ -1,16 +1,21 @@
-"""The configs in training_scripts/configs/ validate at the world size they are written for, and the 2B and
-10B MoE configs describe the models their headers, README.md and training_scripts/models/README.md advertise.
+"""The configs in training_scripts/configs/ validate at the world size they are written for, the 2B and 10B
+MoE configs describe the models their headers, README.md and training_scripts/models/README.md advertise, the
+dense 135M and 360M model configs have the parameter counts that README's table states, and every study in
+training_scripts/studies/ loads and every one of its arms validates as the study runner would run it (at world
+size = depth for launch: pipeline), so a study cannot fail on a config error after hours of earlier arms.
 
 The scale configs name files their header tells the user to prepare with Hub access (the SmolLM2 tokenizer,
 a held-out parquet file): stand-ins replace them here — the shipped tokenizer, a one-row file. Their
 training set is a Hub dataset id, which validation only parses (`check_dataset_source` never contacts the
 Hub), so it is checked as written with HF_HUB_OFFLINE lifted for validation alone; huggingface_hub itself
-stays offline (it read the variable at import), so nothing can reach the network.
+stays offline (it read the variable at import), so nothing can reach the network. The studies built on those
+configs get the same stand-ins through their `base` keys.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +23,15 @@ import pytest
 
 from hf_asyncpp.config import load_config, validate_config
 from hf_asyncpp.hub import parameter_counts
+from hf_asyncpp.models.presets import build_config
+from hf_asyncpp.study import load_study
+from hf_asyncpp.study.runner import check_arms
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "training_scripts" / "configs").glob("*.yaml"))
+STUDIES = sorted((REPO / "training_scripts" / "studies").glob("*.yaml"))
+MODELS = REPO / "training_scripts" / "models"
+DENSE = ("dense_135m", "dense_360m")
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,11 @@ def _billions(text: str) -> float:
     return float(text.removesuffix("B")) * 1e9
 
 
+def _count(text: str) -> float:
+    """A parameter count as the docs print it: 162.8M, 2.04B."""
+    return float(text[:-1]) * {"M": 1e6, "B": 1e9}[text[-1]]
+
+
 def _with_stand_ins(config, tmp_path):
     """The config with the files a user prepares replaced by stand-ins when they are not there."""
     if config.tokenizer != "builtin" and not os.path.isdir(config.tokenizer):
@@ -50,13 +66,19 @@ def _with_stand_ins(config, tmp_path):
     return config
 
 
-def _validated(path: Path, tmp_path, monkeypatch):
-    """(config, HF model config) for a shipped YAML, validated at its world size from the repository root."""
+def _validate_from_repo_root(monkeypatch) -> None:
+    """Paths resolve as a run from the repository root resolves them, and hf_asyncpp's dataset check accepts
+    Hub ids (it only parses them) while the Hub client itself stays offline."""
     from huggingface_hub import constants
 
     assert constants.HF_HUB_OFFLINE  # read at import, before the variable is lifted below: the client stays offline
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # for hf_asyncpp's own check, which reads it at call time
+
+
+def _validated(path: Path, tmp_path, monkeypatch):
+    """(config, HF model config) for a shipped YAML, validated at its world size from the repository root."""
+    _validate_from_repo_root(monkeypatch)
     config = _with_stand_ins(load_config(str(path)), tmp_path)
     advertised = SCALE.get(path.name)
     return config, validate_config(config, advertised.world_size if advertised else 2)
@@ -87,3 +109,65 @@ def test_a_scale_config_builds_the_model_it_advertises(name, tmp_path, monkeypat
             "training_scripts/models/README.md": (REPO / "training_scripts" / "models" / "README.md").read_text()}
     for where, text in docs.items():
         assert advertised.total in text and advertised.active in text, f"{name}: counts not stated in {where}"
+
+
+def _study_with_stand_ins(path: Path, tmp_path):
+    """The study with the files a user prepares (tokenizer, held-out file) replaced by stand-ins in its base
+    keys, which every arm sets on top of its base_config."""
+    study = load_study(path)
+    config = load_config(str(study.base_config))
+    for key in ("tokenizer", "eval_dataset"):
+        if key in study.base:
+            setattr(config, key, study.base[key])
+    config = _with_stand_ins(config, tmp_path)
+    study.base["tokenizer"] = config.tokenizer
+    if config.eval_dataset is not None:
+        study.base["eval_dataset"] = config.eval_dataset
+    return study
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.name)
+def test_every_arm_of_every_shipped_study_validates(path, tmp_path, monkeypatch):
+    _validate_from_repo_root(monkeypatch)
+    study = _study_with_stand_ins(path, tmp_path)
+    arms = study.tuning_arms() + study.arms({o: lrs[0] for o, lrs in study.learning_rates.items()})
+    check_arms(study, arms)  # as `hf-asyncpp study` does before any arm runs; pipeline arms at world size = depth
+
+    assert study.output_dir.parts[0] == "outputs"
+    if study.launch == "pipeline":
+        # Every torchrun of the runner takes GPUs from cuda:0 and the default rendezvous port: one at a time.
+        assert study.parallel == 1
+    # A header that counts the study's runs (its cost estimate rests on the count) counts them right: the
+    # tuning arms of the chosen learning rate are the grid's own sync arms, so each distinct name runs once.
+    stated = re.search(r"^# Arms: (\d+)", path.read_text(), re.MULTILINE)
+    if stated:
+        assert int(stated.group(1)) == len({arm.name for arm in arms})
+
+
+def _table(text: str, columns: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """{row label: {column: cell}} of the Markdown table whose header row names `columns`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if line.startswith("|") and [c.strip() for c in line.strip("|").split("|")][1:] == list(columns))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        label, *cells = (c.strip() for c in line.strip().strip("|").split("|"))
+        rows[label] = dict(zip(columns, cells))
+    return rows
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_a_dense_model_config_has_the_parameter_count_its_readme_row_states(name, monkeypatch):
+    monkeypatch.chdir(REPO)
+    table = _table((MODELS / "README.md").read_text(), DENSE)
+    model_config = build_config(str(MODELS / name / "config.json"))
+    total, active = parameter_counts(model_config)  # a meta-device build: nothing is allocated
+    assert total == active  # dense: every parameter is active
+    assert total == pytest.approx(_count(table["parameters, total"][name]), rel=TOLERANCE)
+    lm_head = model_config.vocab_size * model_config.hidden_size
+    assert lm_head == pytest.approx(_count(table["of which the untied lm_head"][name]), rel=TOLERANCE)
+    # Untied: the pipeline and the emulator at depth > 1 cannot split a shared embedding.
+    assert model_config.model_type == "llama" and not model_config.tie_word_embeddings
+    assert model_config.vocab_size == 49152 and model_config.max_position_embeddings >= 2048

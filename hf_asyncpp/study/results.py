@@ -1,0 +1,93 @@
+"""A study's results table: per (optimizer, mode, EF λ, momentum), over seeds.
+
+- `val_loss`: the mean final validation loss over seeds, `val_loss_std` its sample standard deviation
+  (the seed spread);
+- `gap`: val_loss − the matching sync arm's (same optimizer, momentum), averaged over the seeds both
+  finished (paired by seed: the same data order and initial weights, so seed noise largely cancels),
+  `gap_std` the standard deviation of those paired differences;
+- `ef_recovered`: for an EF arm, the share of its EF-off twin's gap that EF removes,
+  (gap_off − gap_ef) / gap_off; undefined (None) when the twin shows no gap to recover.
+
+Written as results.json (rows and every arm's loss), results.csv and results.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from .grid import Arm
+
+__all__ = ["collect_arms", "results_rows", "write_results"]
+
+COLUMNS = ("optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
+           "gap", "gap_std", "ef_recovered")
+
+
+def collect_arms(arms_dir: Path) -> list[dict]:
+    """Every finished arm's record (arm.json) under `arms_dir`."""
+    return [json.loads(p.read_text()) for p in sorted(Path(arms_dir).glob("*/arm.json"))]
+
+
+def _std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def results_rows(records: list[dict]) -> list[dict]:
+    """The table's rows, sync first within each optimizer."""
+    losses: dict[tuple, dict[int, float]] = defaultdict(dict)
+    learning_rates: dict[tuple, float] = {}
+    for r in records:
+        a = r["arm"]
+        key = (a["optimizer"], r["mode"], a["ef_lambda"], a["momentum"])
+        losses[key][a["seed"]] = r["final_eval"]["eval_loss"]
+        learning_rates[key] = a["learning_rate"]
+
+    def gap(key) -> tuple[float | None, float | None]:
+        sync = losses.get((key[0], "sync", 0.0, key[3]))
+        if sync is None:
+            return None, None
+        paired = [loss - sync[s] for s, loss in losses[key].items() if s in sync]
+        return (statistics.fmean(paired), _std(paired)) if paired else (None, None)
+
+    rows = []
+    for key in sorted(losses, key=lambda k: (k[0], k[3], k[1] != "sync", k[1], k[2])):
+        values = list(losses[key].values())
+        gap_mean, gap_std = gap(key)
+        recovered = None
+        if key[2] > 0:
+            off, _ = gap((key[0], key[1], 0.0, key[3])) if (key[0], key[1], 0.0, key[3]) in losses else (None, None)
+            if off is not None and gap_mean is not None and off > 0:
+                recovered = (off - gap_mean) / off
+        rows.append(dict(zip(COLUMNS, (key[0], key[1], key[2], key[3], learning_rates[key], len(values),
+                                       statistics.fmean(values), _std(values), gap_mean, gap_std, recovered))))
+    return rows
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:+.4f}" if value < 0 else f"{value:.4g}"
+    return str(value)
+
+
+def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: list[str]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
+    per_arm = {Arm.from_record(r).name: r["final_eval"]["eval_loss"] for r in records}
+    paths[0].write_text(json.dumps({"rows": rows, "arms": per_arm, "failed_arms": failed}, indent=1))
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+    if failed:
+        lines += ["", f"Failed arms (not in the table): {', '.join(failed)}"]
+    paths[2].write_text("\n".join(lines) + "\n")
+    return paths
+

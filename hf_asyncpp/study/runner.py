@@ -1,0 +1,98 @@
+"""Running a study's arms: each a normal training run (train.py) in its own process.
+
+An arm's directory is `<output_dir>/arms/<arm name>`; `arm.json` appears there only after the run
+exited cleanly with a final validation loss, so a rerun skips exactly the finished arms. A crashed arm
+leaves `failed.txt` (exit status and the end of its stderr) and the others go on; a rerun retries it.
+Arms run `parallel` at a time. Before anything runs, every arm's config is validated, so a typo fails
+the study at once instead of after an hour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .grid import Arm, Study, StudyError
+
+__all__ = ["arm_dir", "check_arms", "run_arms"]
+
+DONE, FAILED = "arm.json", "failed.txt"
+
+
+def arm_dir(study: Study, arm: Arm) -> Path:
+    return study.output_dir / "arms" / arm.name
+
+
+def _overrides(study: Study, arm: Arm) -> dict:
+    return {**study.base, **arm.overrides(study.launch), "output_dir": str(arm_dir(study, arm)),
+            "save_final": False, "report_to": "none", "threads_per_rank": study.threads_per_arm}
+
+
+def _cli(values: dict) -> list[str]:
+    args = []
+    for key, value in values.items():
+        args += [f"--{key}", json.dumps(value) if isinstance(value, list) else str(value)]
+    return args
+
+
+def check_arms(study: Study, arms: list[Arm]) -> None:
+    """Validate every arm's config as train.py would (StudyError naming the arm)."""
+    from ..config import ConfigError, load_config, validate_config
+
+    for arm in arms:
+        try:
+            config = load_config(str(study.base_config), _cli(_overrides(study, arm)))
+            if config.eval_fraction <= 0 and config.eval_dataset is None:
+                raise ConfigError("the study compares validation losses: set eval_fraction or eval_dataset in base")
+            validate_config(config, arm.depth if study.launch == "pipeline" else 1)
+        except ConfigError as err:
+            raise StudyError(f"arm {arm.name}: {err}") from None
+
+
+def _command(study: Study, arm: Arm) -> list[str]:
+    prefix = [sys.executable, "-m", "hf_asyncpp.run"] if study.launch == "emulator" else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(arm.depth), "-m", "hf_asyncpp.run"]
+    return [*prefix, "--config", str(study.base_config), *_cli(_overrides(study, arm))]
+
+
+def _final_eval(directory: Path) -> dict | None:
+    path = directory / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    evals = [r for r in map(json.loads, path.read_text().splitlines()) if "eval_loss" in r]
+    return evals[-1] if evals else None
+
+
+def _run_one(study: Study, arm: Arm, log) -> str:
+    directory = arm_dir(study, arm)
+    if (directory / DONE).is_file():
+        return "skipped"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / FAILED).unlink(missing_ok=True)
+    start = time.time()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(directory / "stdout.txt", "w") as out, open(directory / "stderr.txt", "w") as err:
+        status = subprocess.run(_command(study, arm), stdout=out, stderr=err, env=env).returncode
+    final = _final_eval(directory)
+    if status != 0 or final is None:
+        tail = (directory / "stderr.txt").read_text()[-4000:]
+        (directory / FAILED).write_text(f"exit status {status}\n{tail}")
+        log(f"[study] {arm.name}: failed (exit status {status}; see {directory / FAILED})")
+        return "failed"
+    record = {"arm": arm.__dict__, "mode": arm.mode, "final_eval": final, "seconds": round(time.time() - start, 1)}
+    (directory / DONE).write_text(json.dumps(record, indent=1))
+    log(f"[study] {arm.name}: eval_loss {final['eval_loss']:.4f} ({record['seconds']:.0f}s)")
+    return "done"
+
+
+def run_arms(study: Study, arms: list[Arm], log=print) -> dict[str, str]:
+    """Run the arms not finished yet, `study.parallel` at a time; {arm name: done|skipped|failed}."""
+    check_arms(study, arms)
+    with ThreadPoolExecutor(max_workers=study.parallel) as pool:
+        outcomes = list(pool.map(lambda arm: _run_one(study, arm, log), arms))
+    return {arm.name: outcome for arm, outcome in zip(arms, outcomes)}

@@ -1,0 +1,126 @@
+"""Studies: a small grid runs end to end, and its table's arithmetic follows the arms' own metrics.
+
+Three arms (AdamW sync, PipeDream-2BW, PipeDream-2BW + EF), two seeds, a few steps of a tiny model:
+the table's validation loss is each arm's last eval_loss in its metrics.jsonl, averaged over seeds;
+the gap is the seed-paired difference to sync; EF's share recovered is (gap_off − gap_ef) / gap_off.
+A rerun skips finished arms; a crashed arm is reported and the others finish.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+import yaml
+
+from tests.test_engine import small_model_config
+
+SEQ = 16
+
+
+@pytest.fixture
+def study_file(tmp_path, monkeypatch):
+    config = small_model_config("tiny-qwen3-moe")
+    config.vocab_size = 8192
+    config.save_pretrained(tmp_path / "model")
+    rows = torch.randint(0, 8192, (64, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    base = dict(model_config=str(tmp_path / "model"), dataset=str(tmp_path / "data.jsonl"), seq_len=SEQ,
+                micro_batch_size=2, n_microbatches=2, max_steps=4, logging_steps=1, eval_fraction=0.25,
+                lr_scheduler_type="constant", optimizer="adamw")
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    study = dict(name="tiny", base_config="base.yaml", optimizers={"adamw": [3.0e-3]},
+                 modes=["sync", "pipedream-2bw"], ef=[0, 1.0], momentum=[0.9], seeds=[0, 1], parallel=2,
+                 output_dir=str(tmp_path / "study"))
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path / "study.yaml"
+
+
+def _final_eval_loss(arm_directory):
+    records = [json.loads(line) for line in (arm_directory / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "eval_loss" in r][-1]["eval_loss"]
+
+
+@pytest.mark.multirank
+def test_a_small_study_runs_and_its_table_follows_the_arms_metrics(study_file, tmp_path):
+    from hf_asyncpp.study import run_study
+
+    paths = run_study(study_file, log=lambda *_: None)
+    out = tmp_path / "study"
+    assert {p.name for p in paths} >= {"results.json", "results.csv", "results.md", "loss_curves.png", "gap_bars.png"}
+    arms = out / "arms"
+    loss = {(mode, seed): _final_eval_loss(arms / f"adamw-{mode}-m0.9-lr0.003-s{seed}")
+            for mode in ("sync", "pipedream-2bw-p2", "pipedream-2bw-p2-ef1") for seed in (0, 1)}
+    rows = {(r["mode"], r["ef_lambda"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {("sync", 0.0), ("pipedream-2bw@2", 0.0), ("pipedream-2bw@2", 1.0)}
+
+    sync, off, on = rows["sync", 0.0], rows["pipedream-2bw@2", 0.0], rows["pipedream-2bw@2", 1.0]
+    assert sync["val_loss"] == pytest.approx((loss["sync", 0] + loss["sync", 1]) / 2, abs=1e-12)
+    assert sync["val_loss_std"] == pytest.approx(statistics.stdev([loss["sync", 0], loss["sync", 1]]), abs=1e-12)
+    gaps_off = [loss["pipedream-2bw-p2", s] - loss["sync", s] for s in (0, 1)]
+    gaps_on = [loss["pipedream-2bw-p2-ef1", s] - loss["sync", s] for s in (0, 1)]
+    assert off["gap"] == pytest.approx(statistics.fmean(gaps_off), abs=1e-12)
+    assert off["gap_std"] == pytest.approx(statistics.stdev(gaps_off), abs=1e-12)
+    assert on["gap"] == pytest.approx(statistics.fmean(gaps_on), abs=1e-12)
+    if off["gap"] > 0:
+        assert on["ef_recovered"] == pytest.approx((off["gap"] - on["gap"]) / off["gap"], abs=1e-12)
+    else:
+        assert on["ef_recovered"] is None  # nothing to recover
+    assert sync["gap"] == 0.0 and off["seeds"] == 2
+    # The delayed arms really ran delayed: weight-version age 1 after the first step.
+    metrics = [json.loads(line) for line in (arms / "adamw-pipedream-2bw-p2-m0.9-lr0.003-s0" / "metrics.jsonl")
+               .read_text().splitlines() if '"loss"' in line]
+    assert metrics[-1]["weight_version_age_per_stage"] == [1, 1]
+
+    # A rerun skips every finished arm and writes the same table.
+    before = {p: p.stat().st_mtime_ns for p in arms.glob("*/arm.json")}
+    table = (out / "results.md").read_text()
+    messages = []
+    run_study(study_file, log=messages.append)
+    assert {p: p.stat().st_mtime_ns for p in arms.glob("*/arm.json")} == before
+    assert "0 ran, 6 already finished, 0 failed" in messages[-1]
+    assert (out / "results.md").read_text() == table
+
+
+@pytest.mark.multirank
+def test_a_crashed_arm_is_reported_and_the_others_finish(study_file, tmp_path, monkeypatch):
+    import sys
+
+    from hf_asyncpp.study import run_study, runner
+
+    real_command = runner._command
+
+    def crash_one(study, arm):
+        if arm.ef_lambda and arm.seed == 1:
+            return [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
+        return real_command(study, arm)
+
+    monkeypatch.setattr(runner, "_command", crash_one)
+    run_study(study_file, log=lambda *_: None)
+    out = tmp_path / "study"
+    crashed = out / "arms" / "adamw-pipedream-2bw-p2-ef1-m0.9-lr0.003-s1"
+    assert (crashed / "failed.txt").read_text().startswith("exit status 3") and not (crashed / "arm.json").exists()
+    assert len(list((out / "arms").glob("*/arm.json"))) == 5
+    results = json.loads((out / "results.json").read_text())
+    assert results["failed_arms"] == [crashed.name]
+    ef_row = next(r for r in results["rows"] if r["ef_lambda"] == 1.0)
+    assert ef_row["seeds"] == 1  # the surviving seed only
+
+
+def test_a_bad_study_file_fails_before_any_arm_runs(study_file, tmp_path):
+    from hf_asyncpp.study import StudyError, run_study
+
+    study = yaml.safe_load(study_file.read_text())
+    for change, message in [({"modes": ["sync", "pipedream-3bw"]}, "unknown mode 'pipedream-3bw'"),
+                            ({"optimizers": {"adamw": [-1.0]}}, "all positive"),
+                            ({"modes": ["pipedream-2bw"]}, "must include sync"),
+                            ({"seed": [0]}, "unknown study key"),
+                            ({"base_config": "missing.yaml"}, "does not exist"),
+                            ({"modes": ["sync", "pipedream@16"]}, "arm adamw-pipedream-p16-m0.9-lr0.003-s0: .*16 stages")]:
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**study, **change}))
+        with pytest.raises(StudyError, match=message):
+            run_study(tmp_path / "bad.yaml", log=lambda *_: None)
+    assert not (tmp_path / "study").exists()
