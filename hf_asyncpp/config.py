@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "check_step_boundaries", "load_config", "validate_config"]
+__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "check_step_boundaries", "fit_to_one_process", "load_config", "validate_config"]
 
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
 
@@ -173,6 +173,22 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def fit_to_one_process(config: TrainConfig) -> None:
+    """Without a launcher there is one process: pp_size becomes 1, and an asynchronous schedule is
+    emulated at the depth pp_size asked for (so the run keeps its update rule). Says what it did."""
+    from .schedules import SCHEDULES
+
+    if config.pp_size == 1:
+        return
+    spec = SCHEDULES.get(config.schedule)
+    if spec is not None and not spec.synchronous and not config.emulate_pp_size:
+        config.emulate_pp_size = config.pp_size
+        print(f"[hf_asyncpp] one process (no launcher): emulating {config.schedule} at depth {config.pp_size}")
+    else:
+        print(f"[hf_asyncpp] one process (no launcher): pp_size {config.pp_size} → 1")
+    config.pp_size = 1
 
 
 def check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:

@@ -82,22 +82,14 @@ def train(config, model_config, launch) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse_args(argv)
-    from .config import ConfigError, load_config, validate_config
+    from .config import ConfigError, fit_to_one_process, load_config, validate_config
     from .parallel.launch import LaunchError, read_launch
 
     try:
         config = load_config(args.config, overrides)
         launch = read_launch()
-        if not launch.launched and config.pp_size > 1:
-            from .schedules import SCHEDULES
-
-            spec = SCHEDULES.get(config.schedule)
-            if spec is not None and not spec.synchronous and not config.emulate_pp_size:
-                config.emulate_pp_size = config.pp_size
-                print(f"[hf_asyncpp] one process (no launcher): emulating {config.schedule} at depth {config.pp_size}")
-            else:
-                print(f"[hf_asyncpp] one process (no launcher): pp_size {config.pp_size} → 1")
-            config.pp_size = 1
+        if not launch.launched:
+            fit_to_one_process(config)
         model_config = validate_config(config, launch.world_size)
     except (ConfigError, LaunchError) as err:
         if _is_reporting_rank():

@@ -16,12 +16,11 @@ fields mean for the pipeline:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .config import ConfigError, TrainConfig, _coerce, check_settings, load_config
+from .config import ConfigError, TrainConfig, _coerce, check_settings, fit_to_one_process, load_config
 
 __all__ = ["AsyncPPTrainingArguments"]
 
@@ -46,8 +45,20 @@ class AsyncPPTrainingArguments(TrainingArguments):
     report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "trackers; 'none' for none"})
 
     def __post_init__(self):
+        from .parallel.launch import LaunchError, read_launch
+
+        try:
+            launch = read_launch()
+        except LaunchError as err:
+            raise ConfigError(str(err)) from None
+        if not launch.launched:  # a plain `python script.py` or a notebook: one process, as train.py
+            one_process = self.to_train_config()
+            fit_to_one_process(one_process)
+            self.pp_size = 1
+            if one_process.emulate_pp_size:
+                self.pipeline_config = {**(self.pipeline_config or {}), "emulate_pp_size": one_process.emulate_pp_size}
         self.pipeline = self.to_train_config()
-        check_settings(self.pipeline, int(os.environ.get("WORLD_SIZE", "1")))
+        check_settings(self.pipeline, launch.world_size)
         super().__post_init__()
 
     def to_train_config(self, max_steps: int | None = None, seq_len: int | None = None) -> TrainConfig:

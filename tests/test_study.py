@@ -3,7 +3,8 @@
 Three arms (AdamW sync, PipeDream-2BW, PipeDream-2BW + EF), two seeds, a few steps of a tiny model:
 the table's validation loss is each arm's last eval_loss in its metrics.jsonl, averaged over seeds;
 the gap is the seed-paired difference to sync; EF's share recovered is (gap_off − gap_ef) / gap_off.
-A rerun skips finished arms; a crashed arm is reported and the others finish.
+A rerun skips finished arms (and reruns them once their settings change); a crashed arm is reported
+and the others finish.
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def test_a_small_study_runs_and_its_table_follows_the_arms_metrics(study_file, t
     assert {p: p.stat().st_mtime_ns for p in arms.glob("*/arm.json")} == before
     assert "0 ran, 6 already finished, 0 failed" in messages[-1]
     assert (out / "results.md").read_text() == table
+
+    # Editing the base config makes every arm stale: a rerun runs them again.
+    base = study_file.parent / "base.yaml"
+    base.write_text(base.read_text().replace("logging_steps: 1", "logging_steps: 2"))
+    run_study(study_file, log=messages.append)
+    assert "6 ran, 0 already finished, 0 failed" in messages[-1]
 
 
 @pytest.mark.multirank

@@ -216,3 +216,22 @@ def test_a_bad_trainer_fails_with_one_message_before_any_process_group(case, tmp
     with pytest.raises(ConfigError, match=message):
         AsyncPPTrainer(**kwargs)
     assert not dist.is_initialized() and not (tmp_path / "out").exists()
+
+
+def test_training_arguments_map_onto_the_pipeline_config(tmp_path):
+    """Trainer fields keep their meaning: microbatch size, optimizer hyperparameters, schedule, seed,
+    limits; momentum defaults to adam_beta1; pipeline_config reaches any other key."""
+    args = _args(tmp_path / "out", schedule="pipedream-2bw", pp_size=2, n_microbatches=8, optimizer="muon",
+                 per_device_train_batch_size=3, learning_rate=0.02, adam_beta1=0.85, adam_beta2=0.97,
+                 weight_decay=0.1, max_grad_norm=0.7, lr_scheduler_type="cosine", max_steps=50, seed=5, ef=True,
+                 ef_lambda=0.5, save_total_limit=2, pipeline_config={"muon_lr_scale": "match_rms_adamw"})
+    config = args.pipeline
+    # One process (no launcher), as train.py: the asynchronous schedule is emulated at the asked depth.
+    assert (config.schedule, config.pp_size, config.emulate_pp_size) == ("pipedream-2bw", 1, 2)
+    assert (config.n_microbatches, config.optimizer) == (8, "muon")
+    assert (config.micro_batch_size, config.learning_rate, config.momentum, config.beta2) == (3, 0.02, 0.85, 0.97)
+    assert (config.weight_decay, config.max_grad_norm, config.lr_scheduler_type) == (0.1, 0.7, "cosine")
+    assert (config.max_steps, config.seed, config.ef, config.ef_lambda, config.save_total_limit) == (50, 5, True, 0.5, 2)
+    assert config.muon_lr_scale == "match_rms_adamw" and config.report_to == []
+    assert _args(tmp_path / "out", momentum=0.95).pipeline.momentum == 0.95
+    assert _args(tmp_path / "out", warmup_steps=0.1).get_warmup_steps(50) == 5

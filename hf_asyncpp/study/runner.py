@@ -1,7 +1,8 @@
 """Running a study's arms: each a normal training run (train.py) in its own process.
 
 An arm's directory is `<output_dir>/arms/<arm name>`; `arm.json` appears there only after the run
-exited cleanly with a final validation loss, so a rerun skips exactly the finished arms. A crashed arm
+exited cleanly with a final validation loss, and records the arm's settings (base config text and
+overrides), so a rerun skips exactly the finished arms whose settings are unchanged. A crashed arm
 leaves `failed.txt` (exit status and the end of its stderr) and the others go on; a rerun retries it.
 Arms run `parallel` at a time. Before anything runs, every arm's config is validated, so a typo fails
 the study at once instead of after an hour.
@@ -68,10 +69,27 @@ def _final_eval(directory: Path) -> dict | None:
     return evals[-1] if evals else None
 
 
+def _settings(study: Study, arm: Arm) -> dict:
+    """What an arm's result depends on: the base config's text and every override. A finished arm
+    whose settings differ (the study file or base config was edited) is run again."""
+    return {"base_config": study.base_config.read_text(), "overrides": _overrides(study, arm), "launch": study.launch}
+
+
+def _finished(directory: Path, settings: dict) -> bool:
+    try:
+        return json.loads((directory / DONE).read_text()).get("settings") == settings
+    except (OSError, ValueError):
+        return False
+
+
 def _run_one(study: Study, arm: Arm, log) -> str:
     directory = arm_dir(study, arm)
-    if (directory / DONE).is_file():
+    settings = _settings(study, arm)
+    if _finished(directory, settings):
         return "skipped"
+    if (directory / DONE).is_file():
+        log(f"[study] {arm.name}: its settings changed since it ran; running it again")
+        (directory / DONE).unlink()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / FAILED).unlink(missing_ok=True)
     start = time.time()
@@ -84,7 +102,8 @@ def _run_one(study: Study, arm: Arm, log) -> str:
         (directory / FAILED).write_text(f"exit status {status}\n{tail}")
         log(f"[study] {arm.name}: failed (exit status {status}; see {directory / FAILED})")
         return "failed"
-    record = {"arm": arm.__dict__, "mode": arm.mode, "final_eval": final, "seconds": round(time.time() - start, 1)}
+    record = {"arm": arm.__dict__, "mode": arm.mode, "final_eval": final, "seconds": round(time.time() - start, 1),
+              "settings": settings}
     (directory / DONE).write_text(json.dumps(record, indent=1))
     log(f"[study] {arm.name}: eval_loss {final['eval_loss']:.4f} ({record['seconds']:.0f}s)")
     return "done"
