@@ -67,12 +67,16 @@ def results_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-def _cell(value) -> str:
+def _cell(column: str, value) -> str:
     if value is None:
         return "–"
-    if isinstance(value, float):
-        return f"{value:+.4f}" if value < 0 else f"{value:.4g}"
-    return str(value)
+    if column in ("gap",):
+        return f"{value:+.4f}"
+    if column == "ef_recovered":
+        return f"{100 * value:.0f}%"
+    if column in ("val_loss", "val_loss_std", "gap_std"):
+        return f"{value:.4f}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: list[str]) -> list[Path]:
@@ -85,7 +89,7 @@ def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: 
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cell(c, row[c]) for c in COLUMNS) + " |" for row in rows]
     if failed:
         lines += ["", f"Failed arms (not in the table): {', '.join(failed)}"]
     paths[2].write_text("\n".join(lines) + "\n")
