@@ -104,6 +104,8 @@ def _gap_vs(plt, rows, out: Path, axis: str) -> Path | None:
         ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
                     capsize=3, label=label)
     ax.axhline(0, color="black", linewidth=0.8)
+    if axis == "depth":
+        ax.set_xticks(sorted({p[0] for points in lines.values() for p in points}))
     ax.set(xlabel=axis if axis == "momentum" else "pipeline depth", ylabel="validation loss − sync",
            title=f"Gap to synchronous training vs {axis}" + (" (EF off)" if axis == "depth" else ""))
     ax.legend(fontsize=7)
