@@ -6,7 +6,7 @@
   identical losses and keeps the log history; `push_to_hub` reaches the loopback Hub with the export
   and a card that says what was done.
 - A callback's stop ends an asynchronous pipeline one step later, drained (its next minibatch was
-  already in flight).
+  already in flight); report_to tensorboard reaches transformers' TensorBoardCallback.
 - Bad input is one ConfigError before any process group starts, with nothing written.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -114,9 +113,18 @@ def test_the_trainer_and_train_py_share_one_engine_and_a_trainer_run_resumes_and
 def test_a_callbacks_stop_ends_an_asynchronous_pipeline_one_drained_step_later(corpus, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    history = _trainer_run(corpus, tmp_path / "stopped", "--stop_after", "2", eval_strategy="no", save_steps=0)
+    history = _trainer_run(corpus, tmp_path / "stopped", "--stop_after", "2", eval_strategy="no", save_steps=0,
+                           report_to="tensorboard")
     assert history["global_step"] == 3  # minibatch 3 was in flight when the callback stopped training
-    assert sorted(_losses(history["log_history"])) == [1, 2, 3]
+    losses = _losses(history["log_history"])
+    assert sorted(losses) == [1, 2, 3]
+    # report_to tensorboard reaches transformers' TensorBoardCallback with the logged losses.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [run] = (tmp_path / "stopped" / "runs").iterdir()
+    events = EventAccumulator(str(run)).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (step, pytest.approx(loss, rel=1e-6)) for step, loss in sorted(losses.items())]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "stopped" / "final")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
