@@ -230,6 +230,12 @@ class PipelineEngine:
         self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]
         return StepResult(self.step_count, lr, rows.numel() * self.layout.dp_size, step_time, busy, reduced)
 
+    @property
+    def forwards_ahead(self) -> bool:
+        """Whether a step also forwards into the next minibatch (asynchronous pipelines): then
+        train_step needs its rows as `next_rows`."""
+        return bool(self.versioned)
+
     def resume_after(self, step: int) -> None:
         """Continue after `step` completed steps whose training state was just loaded."""
         self.step_count = step

@@ -137,7 +137,7 @@ class TrainingLoop:
         step = self.start_step
         while step < self.end_step:
             self.hooks.on_step_begin(step)
-            next_rows = sampler.rows(step + 1) if step + 1 < self.end_step else None
+            next_rows = sampler.rows(step + 1) if engine.forwards_ahead and step + 1 < self.end_step else None
             result = engine.train_step(sampler.rows(step), next_rows)
             step = result.step
             self.tokens_seen += result.tokens

@@ -31,12 +31,18 @@ class MinibatchSampler:
             )
         self.blocks, self.rows_per_step = blocks, rows_per_step
         self.dp_rank, self.dp_size, self.shuffle, self.seed = dp_rank, dp_size, shuffle, seed
+        self._orders: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
-        n = self.blocks.shape[0]
-        if not self.shuffle:
-            return torch.arange(n)
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
+        """The epoch's block order; the last two are kept (a step reads at most two epochs, and the
+        loop reads each step twice: as the next step's rows, then as its own)."""
+        if epoch not in self._orders:
+            n = self.blocks.shape[0]
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)) \
+                if self.shuffle else torch.arange(n)
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
+        return self._orders[epoch]
 
     def rows(self, step: int) -> torch.Tensor:
         n = self.blocks.shape[0]

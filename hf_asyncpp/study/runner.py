@@ -110,8 +110,8 @@ def _run_one(study: Study, arm: Arm, log) -> str:
 
 
 def run_arms(study: Study, arms: list[Arm], log=print) -> dict[str, str]:
-    """Run the arms not finished yet, `study.parallel` at a time; {arm name: done|skipped|failed}."""
-    check_arms(study, arms)
+    """Run the arms not finished yet, `study.parallel` at a time; {arm name: done|skipped|failed}.
+    The arms' configs are expected to be checked (`check_arms`) already."""
     with ThreadPoolExecutor(max_workers=study.parallel) as pool:
         outcomes = list(pool.map(lambda arm: _run_one(study, arm, log), arms))
     return {arm.name: outcome for arm, outcome in zip(arms, outcomes)}
