@@ -95,8 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         if _is_reporting_rank():
             print(f"error: {err}", file=sys.stderr)
         return 2
+    from .checkpoint.checkpoints import CheckpointError
+
     start = time.time()
-    record = train(config, model_config, launch)
+    try:
+        record = train(config, model_config, launch)
+    except CheckpointError as err:  # every rank raised it together (e.g. a full disk): stop, say why
+        if _is_reporting_rank():
+            print(f"error: {err}", file=sys.stderr)
+        return 1
     if _is_reporting_rank():
         print(f"[hf_asyncpp] done in {time.time() - start:.1f}s")
     return 1 if record.get("push_error") else 0

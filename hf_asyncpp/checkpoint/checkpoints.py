@@ -21,6 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .training_state import load_training_state, training_state
 
@@ -74,30 +75,73 @@ def _write_json(path: Path, value) -> None:
         os.fsync(f.fileno())
 
 
+def _first_cause(err: CheckpointException) -> BaseException:
+    """The underlying error of the lowest failing rank (DCP wraps each rank's error with its traceback)."""
+    for _, wrapped in sorted(err.failures.items()):
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # (exception, stack summary)
+        if isinstance(cause, BaseException):
+            return cause
+    return err
+
+
+def _agree(layout, final: Path, failure: BaseException | None) -> None:
+    """Every rank learns whether any rank's part of the save failed, and raises the same error."""
+    reports = [None] * layout.world_size
+    dist.all_gather_object(reports, None if failure is None else f"{type(failure).__name__}: {failure}")
+    failed = [(rank, report) for rank, report in enumerate(reports) if report]
+    if failed:
+        rank, report = failed[0]
+        raise CheckpointError(f"saving checkpoint {final} failed on rank {rank} ({report}); "
+                              "the previous checkpoint is kept")
+
+
 def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_state: dict,
                     save_total_limit: int | None = None) -> Path:
-    """Write the training state after `step` completed steps (collective: every rank calls it)."""
+    """Write the training state after `step` completed steps (collective: every rank calls it).
+    A failure on any rank (a full disk, an unwritable directory) raises the same CheckpointError on
+    every rank, naming the path and the cause; the partial directory is removed and the previous
+    checkpoint, pruned only after a new one is complete, stays."""
     final = Path(output_dir) / f"{PREFIX}{step}"
     staging = final.with_name(final.name + ".partial")
-    if layout.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    dist.barrier()
-    # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.
-    dcp.save(training_state(engine, layout.rank), storage_writer=FileSystemWriter(staging),
-             planner=DefaultSavePlanner(flatten_state_dict=False))
-    dist.barrier()
-    if layout.is_main:
-        _write_json(staging / TRAINER_STATE, dict(trainer_state, step=step, pp_size=layout.pp_size,
-                                                  dp_size=layout.dp_size, schedule=engine.spec.name,
-                                                  n_microbatches=engine.config.n_microbatches))
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in sorted(staging.iterdir())}
-        _write_json(staging / MANIFEST, files)  # written last: its presence marks the files complete
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        if save_total_limit:
-            for old in list_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+    try:
+        failure = None
+        try:
+            if layout.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+        except OSError as err:
+            failure = err
+        _agree(layout, final, failure)
+        failure = None
+        try:
+            # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.
+            dcp.save(training_state(engine, layout.rank), storage_writer=FileSystemWriter(staging),
+                     planner=DefaultSavePlanner(flatten_state_dict=False))
+        except CheckpointException as err:  # DCP reports a failed write on every rank (a BaseException)
+            failure = _first_cause(err)
+        except Exception as err:
+            failure = err
+        _agree(layout, final, failure)
+        failure = None
+        try:
+            if layout.is_main:
+                _write_json(staging / TRAINER_STATE, dict(trainer_state, step=step, pp_size=layout.pp_size,
+                                                          dp_size=layout.dp_size, schedule=engine.spec.name,
+                                                          n_microbatches=engine.config.n_microbatches))
+                files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in sorted(staging.iterdir())}
+                _write_json(staging / MANIFEST, files)  # written last: its presence marks the files complete
+                shutil.rmtree(final, ignore_errors=True)
+                staging.rename(final)
+        except OSError as err:
+            failure = err
+        _agree(layout, final, failure)
+    except CheckpointError:
+        if layout.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if layout.is_main and save_total_limit:
+        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
