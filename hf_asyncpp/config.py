@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "check_step_boundaries", "fit_to_one_process", "load_config", "validate_config"]
+__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "check_step_boundaries", "config_from_values", "fit_to_one_process", "load_config", "validate_config"]
 
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
 
@@ -164,6 +164,12 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
                 raise ConfigError(f"override --{key} has no value")
             value = tokens.pop(0)
         values[key.replace("-", "_")] = value
+    return config_from_values(values)
+
+
+def config_from_values(values: dict) -> TrainConfig:
+    """A TrainConfig from key → value (strings or typed values); ConfigError for an unknown key or a
+    value of the wrong type. Every front end builds its config through here."""
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known keys: {', '.join(_FIELDS)}")

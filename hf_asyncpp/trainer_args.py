@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .config import ConfigError, TrainConfig, _coerce, check_settings, fit_to_one_process, load_config
+from .config import ConfigError, TrainConfig, check_settings, config_from_values, fit_to_one_process
 
 __all__ = ["AsyncPPTrainingArguments"]
 
@@ -88,9 +88,6 @@ class AsyncPPTrainingArguments(TrainingArguments):
         clashes = sorted(set(extra) & (set(values) | {"logging_steps", "eval_steps", "save_steps", "warmup_steps"}))
         if clashes:
             raise ConfigError(f"pipeline_config sets {', '.join(clashes)}, which are training arguments: set them there")
-        unknown = sorted(set(extra) - set(TrainConfig.__dataclass_fields__))
-        if unknown:
-            load_config(None, [f"--{k}={v}" for k, v in extra.items()])  # raises the config's unknown-key error
-        config = TrainConfig(**{k: _coerce(k, v) for k, v in {**values, **extra}.items() if v is not None})
+        config = config_from_values({k: v for k, v in {**values, **extra}.items() if v is not None})
         config.save_total_limit = self.save_total_limit
         return config
