@@ -83,8 +83,12 @@ class TrainConfig:
     max_shard_size: str = "5GB"  # the export's safetensors files: one below this size, shards + index above
     save_steps: int = 0  # write a training checkpoint every N steps (0: never)
     save_total_limit: int | None = None  # keep only the newest N checkpoints
-    resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir
+    resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir (if any yet)
     threads_per_rank: int | None = None  # torch intra-op threads per rank (CPU)
+    # failures (resilience.py)
+    nonfinite_policy: str = "stop"  # a non-finite loss or gradient norm: stop, or skip that update and go on
+    nonfinite_skip_limit: int = 10  # skip: the run stops at the step that makes more steps skipped than this
+    comm_timeout_s: float = 600.0  # a rank waiting longer than this for another (dead or stalled) stops the run
 
     @property
     def rows_per_step(self) -> int:
@@ -223,7 +227,9 @@ def _check_resume(config: TrainConfig) -> None:
 
     if config.resume_from_checkpoint is not None:
         try:
-            verify_checkpoint(find_checkpoint(config.resume_from_checkpoint, config.output_dir))
+            found = find_checkpoint(config.resume_from_checkpoint, config.output_dir)
+            if found is not None:
+                verify_checkpoint(found)
         except (CheckpointError, OSError, ValueError) as err:
             raise ConfigError(str(err)) from None
 
@@ -285,6 +291,12 @@ def check_settings(config: TrainConfig, world_size: int):
     _require(config.save_steps >= 0, f"save_steps must be >= 0 (0: no checkpoints), got {config.save_steps}")
     _require(config.save_total_limit is None or config.save_total_limit >= 1,
              f"save_total_limit must be at least 1, got {config.save_total_limit}")
+    from .resilience import NONFINITE_POLICIES
+
+    _require(config.nonfinite_policy in NONFINITE_POLICIES,
+             f"unknown nonfinite_policy '{config.nonfinite_policy}'; choose {' or '.join(NONFINITE_POLICIES)}")
+    _require(config.nonfinite_skip_limit >= 0, f"nonfinite_skip_limit must be >= 0, got {config.nonfinite_skip_limit}")
+    _require(config.comm_timeout_s > 0, f"comm_timeout_s must be positive, got {config.comm_timeout_s}")
     _check_resume(config)
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
     _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")

@@ -42,7 +42,7 @@ class EmulatedPipeline:
 
     def run_step(self, rows: torch.Tensor, loss_fn: Callable, apply_update: Callable) -> dict[int, int]:
         """One minibatch: forward/backward on each stage's stale version, then every stage's update
-        (`apply_update(updater, step=emulator.step)`), once or after each microbatch. Returns the
+        (`apply_update(updater, emulator)`, which steps or skips through it), once or after each microbatch. Returns the
         weight-version age per stage."""
         ages = {stage: emulator.version_age() for stage, emulator in zip(self.stage_ids, self.emulators)}
         units = [[mb] for mb in rows.chunk(self.m)] if self.order.per_microbatch_updates else [rows.chunk(self.m)]
@@ -55,5 +55,5 @@ class EmulatedPipeline:
                 for microbatch in unit:
                     self._forward_backward(microbatch, loss_fn, 1.0 / len(unit))
             for updater, emulator in zip(self.updaters, self.emulators):
-                apply_update(updater, emulator.step)
+                apply_update(updater, emulator)
         return ages

@@ -3,16 +3,16 @@
 A step on one rank: feed the minibatch (first stage) and its labels (last stage) to the schedule,
 which runs forward/backward of n_microbatches microbatches over this rank's stages; average
 gradients over the dp group; clip by the global norm (all stages, all dp ranks); step the optimizer
-and the LR schedule. The minibatch loss is the mean of the microbatch losses (torch's runtime
-divides gradients by n_microbatches), as in gradient accumulation.
+and the LR schedule — unless that norm is non-finite: then the update is skipped (resilience.py). The
+minibatch loss is the mean of the microbatch losses (torch's runtime divides gradients by
+n_microbatches), as in gradient accumulation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -29,6 +29,7 @@ from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
 from .parallel.mesh import ParallelLayout
+from .resilience import NonFiniteGuard, TerminationRequest
 from .schedules import ScheduleError, build_schedule, get_schedule_spec
 from .schedules.async_order import replay_after
 from .schedules.runtime import build_eval_schedule
@@ -49,10 +50,12 @@ def build_full_model(config: TrainConfig, model_config) -> torch.nn.Module:
 
 
 class _Updater:
-    """The optimizer and LR schedule of parameters that are updated together."""
+    """The optimizer and LR schedule of parameters that are updated together (the engine's modules
+    `module_indices`, which hold stages `stages`)."""
 
-    def __init__(self, config: TrainConfig, stage: int, named_params: list, order):
-        self.stage = stage  # the (first) stage these parameters belong to
+    def __init__(self, config: TrainConfig, module_indices: list[int], stages: list[int], named_params: list, order):
+        self.module_indices, self.stages = module_indices, stages
+        self.stage = stages[0]
         self.params = [p for _, p in named_params]
         self.optimizer = optimizer_from_config(config, named_params)
         # What applies an update: the optimizer, or Error Feedback around it.
@@ -97,7 +100,8 @@ class PipelineEngine:
         # different times and clip by their own norm), all local stages at once for synchronous ones.
         groups = [[i] for i in range(len(self.modules))] if order else [list(range(len(self.modules)))]
         self.updaters = [
-            _Updater(config, self.stage_ids[g[0]], [np for i in g for np in self.modules[i].named_parameters()], order)
+            _Updater(config, g, [self.stage_ids[i] for i in g], [np for i in g for np in self.modules[i].named_parameters()],
+                     order)
             for g in groups
         ]
         # Asynchronous pipeline: microbatches bound to stashed weight versions (weight_versions.py).
@@ -120,12 +124,19 @@ class PipelineEngine:
             )
         else:
             self.schedule = build_schedule(self.spec, self.stages, m, timed_loss)
-        self._routing_load_counters = [m.routing_load for m in self.modules if m.routing_load is not None]
+        self._routing_load_counters = [(s, m.routing_load) for s, m in zip(self.stage_ids, self.modules)
+                                       if m.routing_load is not None]
         self._unfinished: list[ReducedStepStats] = []
+        self.guard = NonFiniteGuard(config.nonfinite_policy, config.nonfinite_skip_limit, n_stages - 1)
+        self.termination = TerminationRequest()  # the loop installs its SIGTERM handler
+        self._awaiting_review: tuple[int, ReducedStepStats] | None = None  # the last step, reviewed at the next
         self._eval_schedule = None  # asynchronous pipelines: a forward-only program, built at the first evaluation
-        # This step's updates: per stage, the squared gradient norm of each and the largest version age.
+        # This step's updates: per stage, the squared gradient norm of each, the largest version age,
+        # the updates skipped; the stages whose gradient was non-finite.
         self._step_sq_norms: dict[int, list[float]] = {}
         self._step_ages: dict[int, int] = {}
+        self._step_skipped: dict[int, int] = {}
+        self._step_nonfinite_stages: set[int] = set()
         self.step_count = 0
         self.last_step = config.max_steps  # the run's final step count (stop_after may bring it forward)
 
@@ -138,15 +149,29 @@ class PipelineEngine:
         target = rows if self.holds_last_stage else None
         self.schedule.step(*args, target=target, return_outputs=False)  # logits are not kept
 
-    def _apply_update(self, updater: "_Updater", step: Callable[[], None] | None = None) -> float:
-        """Average gradients over dp, clip, step the optimizer (`step`: the emulator's, when emulating)
-        and the LR schedule. Returns this rank's squared gradient norm before clipping."""
+    def _apply_update(self, updater: "_Updater", stepper=None) -> None:
+        """Average gradients over dp, clip, step the optimizer (through `stepper`: the emulator, when
+        emulating) and the LR schedule. A non-finite gradient norm skips the update: weights,
+        optimizer and EF state and the LR schedule stay as they are (the pipeline still publishes its
+        unchanged master as the next version, and the emulator counts one), so the run continues as
+        if this update had never been computed."""
         self._average_gradients_over_dp(updater.params)
-        grad_sq_norm = self._clip_gradients(updater.params)
-        (step or updater.stepper.step)()
+        local_sq, norm = self._gradient_norm(updater)
+        self._step_sq_norms.setdefault(updater.stage, []).append(local_sq)
+        stepper = stepper or updater.stepper
+        if not math.isfinite(norm):
+            for param in updater.params:
+                param.grad = None
+            if hasattr(stepper, "skip"):
+                stepper.skip()
+            for stage in updater.stages:
+                self._step_skipped[stage] = self._step_skipped.get(stage, 0) + 1
+            return
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(updater.params, self.config.max_grad_norm,
+                                                 torch.tensor(norm, dtype=torch.float32), foreach=True)
+        stepper.step()
         updater.lr_scheduler.step()
-        self._step_sq_norms.setdefault(updater.stage, []).append(grad_sq_norm)
-        return grad_sq_norm
 
     def _update_stage(self, stage: int, version: int, grad_scale: float) -> None:
         """One update of local stage `stage` from the gradient taken at weight `version` (called by
@@ -169,34 +194,37 @@ class PipelineEngine:
         for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
             p.grad = synced
 
-    def _clip_gradients(self, params: list[torch.nn.Parameter]) -> float:
-        """Clip by the L2 norm and return this rank's squared norm (dp replicas hold the same
-        averaged gradients). Synchronous schedules clip by the global norm over all stages; the
-        asynchronous ones by each stage's own norm, since a pipeline-wide norm would make every
-        stage wait for the others at every step, which is the bubble they exist to remove."""
-        grads = [p.grad for p in params if p.grad is not None]
-        local_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-        if isinstance(local_norm, DTensor):  # sharded gradients: the norm over all dp shards
-            local_norm = local_norm.full_tensor()
-        local_sq = local_norm.double() ** 2
-        norm = local_sq.sqrt()
+    def _gradient_norm(self, updater: "_Updater") -> tuple[float, float]:
+        """(this rank's squared gradient norm, the L2 norm to clip by and to judge finiteness by);
+        records the stages whose gradient is non-finite. dp replicas hold the same averaged gradients.
+        Synchronous schedules take the global norm over all stages, so every rank decides alike; the
+        asynchronous ones each stage's own norm, since a pipeline-wide norm would make every stage
+        wait for the others at every step, which is the bubble they exist to remove."""
+        local_sq = torch.zeros((), dtype=torch.float64)
+        for index in updater.module_indices:
+            grads = [p.grad for p in self.modules[index].parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+            if isinstance(norm, DTensor):  # sharded gradients: the norm over all dp shards
+                norm = norm.full_tensor()
+            stage_sq = norm.double().cpu() ** 2
+            if not torch.isfinite(stage_sq):
+                self._step_nonfinite_stages.add(self.stage_ids[index])
+            local_sq = local_sq + stage_sq
+        total_sq = local_sq
         if self.spec.synchronous and self.layout.pp_size > 1:
             total_sq = local_sq.to(self.layout.device).clone()
             dist.all_reduce(total_sq, group=self.layout.pp_group)
-            norm = total_sq.sqrt()
-        if self.config.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, norm.float(), foreach=True)
-        return local_sq.item()
+        return local_sq.item(), total_sq.sqrt().item()
 
     def train_step(self, rows: torch.Tensor, next_rows: torch.Tensor | None = None) -> StepResult:
         """One optimizer step on minibatch `rows`. Asynchronous schedules on a pipeline also forward
         into the next minibatch: pass its rows as `next_rows` (None on the last step, which drains)."""
         start = time.perf_counter()
         self.timer.take()  # drop compute time of anything run since the last step (e.g. evaluation)
-        self._step_sq_norms, self._step_ages = {}, {}
+        self._step_sq_norms, self._step_ages, self._step_skipped, self._step_nonfinite_stages = {}, {}, {}, set()
         for updater in self.updaters:
             updater.optimizer.zero_grad(set_to_none=True)
-        for counter in self._routing_load_counters:
+        for _, counter in self._routing_load_counters:
             counter.reset()
         lr = self.updaters[0].optimizer.param_groups[0]["lr"]
         # Weight-version age: updates between the weights a gradient was taken at and those it updates.
@@ -213,22 +241,34 @@ class PipelineEngine:
             busy = self.timer.take()
             self._apply_update(self.updaters[0])
             self._step_ages = dict.fromkeys(self.stage_ids, 0)
-        for counter in self._routing_load_counters:
-            counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
+        for stage, counter in self._routing_load_counters:
+            if stage not in self._step_skipped:  # a skipped minibatch leaves the routing biases too
+                counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
         self.step_count += 1
         step_time = time.perf_counter() - start
         # Per stage the mean over its updates in this step (m of them with per-microbatch updates).
         grad_sq_norm = sum(sum(norms) / len(norms) for norms in self._step_sq_norms.values())
+        replica = self.layout.dp_rank == 0  # dp replicas hold the same gradients: one reports them
         reduced = ReducedStepStats(
-            self.loss_fn.take(self.config.n_microbatches),
-            grad_sq_norm if self.layout.dp_rank == 0 else None,
-            idle_fraction(busy, step_time),
-            self.layout,
-            self._step_ages if self.layout.dp_rank == 0 else {},
-            len(self.plan),
+            self.loss_fn.take(self.config.n_microbatches), self.layout, len(self.plan),
+            grad_sq_norm=grad_sq_norm if replica else None,
+            idle_fraction=idle_fraction(busy, step_time),
+            version_age_by_stage=self._step_ages if replica else {},
+            nonfinite_grad_stages=self._step_nonfinite_stages if replica else (),
+            skipped_by_stage=self._step_skipped if replica else {},
+            termination_requested=self.termination.requested,
         )
         self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]
-        return StepResult(self.step_count, lr, rows.numel() * self.layout.dp_size, step_time, busy, reduced)
+        # The previous step's reduction has finished on every rank by now: decide on what it reports.
+        previous, self._awaiting_review = self._awaiting_review, (self.step_count, reduced)
+        terminate = self._review(*previous) if previous else False
+        return StepResult(self.step_count, lr, rows.numel() * self.layout.dp_size, step_time, busy, reduced, terminate)
+
+    def _review(self, step: int, reduced: ReducedStepStats) -> bool:
+        """Apply the non-finite policy to step `step` (raises NonFiniteError to stop); returns whether
+        any rank was asked to terminate by then. Identical on every rank: it reads the all-reduce."""
+        self.guard.review(step, reduced)
+        return reduced.value("termination_requested")
 
     @property
     def forwards_ahead(self) -> bool:
@@ -251,14 +291,18 @@ class PipelineEngine:
             self.schedule.n_steps = self.last_step
         return self.last_step
 
-    def finish(self) -> None:
-        """Wait for every step's statistics reduction and in-flight send (call before tearing down
-        process groups)."""
-        if self.versioned:
+    def finish(self, wait_for_sends: bool = True) -> None:
+        """Wait for every step's statistics reduction and in-flight send, and review the last step
+        (call before tearing down process groups). A run stopped between steps of an asynchronous
+        pipeline (SIGTERM) passes `wait_for_sends=False`: its last sends feed steps that never run."""
+        if self.versioned and wait_for_sends:
             self.schedule.finish()
         for reduced in self._unfinished:
             reduced.value("loss")
         self._unfinished = []
+        if self._awaiting_review:
+            previous, self._awaiting_review = self._awaiting_review, None
+            self._review(*previous)
 
     @torch.no_grad()
     def eval_step(self, rows: torch.Tensor) -> tuple[float, float, torch.Tensor | None]:
@@ -300,8 +344,7 @@ class PipelineEngine:
         finally:
             for module in self.modules:
                 module.train()
-        reduced = ReducedStepStats(loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout, {},
-                                   len(self.plan))
+        reduced = ReducedStepStats(loss_fn.take(self.config.n_microbatches), self.layout, len(self.plan))
         logits = output[0] if isinstance(output, tuple) else output
         return reduced.value("loss"), reduced.value("aux_loss"), logits
 
@@ -315,8 +358,7 @@ class PipelineEngine:
         finally:
             for module in self.modules:
                 module.train()
-        reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), None, 0.0, self.layout, {},
-                                   len(self.plan))
+        reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), self.layout, len(self.plan))
         logits = torch.cat([o[0] if isinstance(o, tuple) else o for o in outputs])
         return reduced.value("loss"), reduced.value("aux_loss"), logits
 

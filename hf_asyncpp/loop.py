@@ -6,6 +6,10 @@ trackers, the loss-curve PNG, the HF export and the model card. A front end deci
 `LoopHooks` is train.py's answer (the config's logging_steps / eval_steps / save_steps), and
 `AsyncPPTrainer` answers through transformers' callbacks. So train.py and the Trainer run the same
 steps on the same rows and log the same losses.
+
+A SIGTERM (preemption) ends the run at the step boundary where every rank learns of it (resilience.py):
+all ranks save a checkpoint there and `run()` returns with `terminated_at` set; nothing else follows
+(no final evaluation or export), and the same command with `resume_from_checkpoint: latest` continues.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def step_record(result, tokens_seen: int, schedule: str) -> dict:
         "step_time_s": result.step_time_s,
         "idle_fraction_per_rank": result.idle_fraction_per_rank,
         "weight_version_age_per_stage": result.weight_version_age_per_stage,
+        "skipped_updates_per_stage": result.skipped_updates_per_stage,
         "schedule": schedule,
     }
 
@@ -107,16 +112,23 @@ class TrainingLoop:
         self.last_record: dict = {}
         self.final_eval: dict | None = None
         self.end_step = config.max_steps
+        self.terminated_at: int | None = None  # the step after which a SIGTERM ended the run
         self.data_description: str | None = None  # the card's data section, when not config.dataset's
         self.writer = self.reporters = None  # opened at the first record (main process)
 
     def resume(self, resume_from: str) -> None:
-        """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it."""
+        """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it.
+        "latest" with no checkpoint yet starts from step 0."""
         from .checkpoint.checkpoints import find_checkpoint, load_checkpoint
 
         path = find_checkpoint(resume_from, self.config.output_dir)
+        if path is None:
+            if self.layout.is_main:
+                print(f"[hf_asyncpp] no checkpoint in {self.config.output_dir} yet: starting from step 0")
+            return
         self.checkpoint_state = load_checkpoint(self.engine, self.layout, path)
         self.start_step, self.tokens_seen = self.checkpoint_state["step"], self.checkpoint_state["tokens_seen"]
+        self.engine.guard.load_state_dict(self.checkpoint_state.get("nonfinite", {}))
         self.engine.resume_after(self.start_step)
         if self.layout.is_main:
             print(f"[hf_asyncpp] resumed from {path} after step {self.start_step}")
@@ -128,13 +140,38 @@ class TrainingLoop:
         when there is an evaluation set. Returns the last logged record."""
         from tqdm.auto import tqdm
 
-        engine, sampler = self.engine, self.data.sampler
+        engine = self.engine
         if self.layout.is_main:
             print(f"[hf_asyncpp] {engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; "
                   f"{engine.plan.describe()}")
         progress = tqdm(total=self.end_step, initial=self.start_step, disable=not self.progress_bar,
                         desc="train", unit="step")
-        step = self.start_step
+        with self._termination_handled():
+            self._steps(self.start_step, progress)
+        engine.finish(wait_for_sends=self.terminated_at is None)
+        progress.close()
+        if self.terminated_at is None and self.data.held_out is not None:
+            self.final_eval = self.evaluate(self.end_step)
+            self.hooks.on_evaluate(self.final_eval)
+            if self.layout.is_main:
+                print(f"[hf_asyncpp] validation loss {self.final_eval['eval_loss']:.4f}, "
+                      f"perplexity {self.final_eval['eval_perplexity']:.2f}")
+        self.close()
+        return self.last_record
+
+    def _termination_handled(self):
+        """SIGTERM handled at a step boundary where the run can be checkpointed; otherwise (WPipe, an
+        emulated asynchronous schedule) the signal keeps its default effect."""
+        from .config import ConfigError, check_step_boundaries
+
+        try:
+            check_step_boundaries(self.engine.spec, self.config, "training checkpoints")
+        except ConfigError:
+            return contextlib.nullcontext()
+        return self.engine.termination.installed()
+
+    def _steps(self, step: int, progress) -> None:
+        engine, sampler = self.engine, self.data.sampler
         while step < self.end_step:
             self.hooks.on_step_begin(step)
             next_rows = sampler.rows(step + 1) if engine.forwards_ahead and step + 1 < self.end_step else None
@@ -151,21 +188,17 @@ class TrainingLoop:
                 self.hooks.on_log(self.last_record)
             if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway
                 self.hooks.on_evaluate(self.evaluate(step))
-            if decision.save:
+            if decision.save or (result.termination_requested and step < self.end_step):
                 self.hooks.on_save(self.save(step))
+            if result.termination_requested and step < self.end_step:
+                self.terminated_at = step
+                if self.layout.is_main:
+                    print(f"[hf_asyncpp] stopped after step {step} on SIGTERM; checkpoint-{step} is saved: run the "
+                          "same command with resume_from_checkpoint: latest to continue", flush=True)
+                break
             if decision.stop and step < self.end_step:
                 self.end_step = engine.stop_after(step)
                 progress.total = self.end_step
-        engine.finish()
-        progress.close()
-        if self.data.held_out is not None:
-            self.final_eval = self.evaluate(self.end_step)
-            self.hooks.on_evaluate(self.final_eval)
-            if self.layout.is_main:
-                print(f"[hf_asyncpp] validation loss {self.final_eval['eval_loss']:.4f}, "
-                      f"perplexity {self.final_eval['eval_perplexity']:.2f}")
-        self.close()
-        return self.last_record
 
     def _publish(self, record: dict) -> None:
         if self.writer is None:
@@ -193,7 +226,7 @@ class TrainingLoop:
         from .checkpoint.checkpoints import save_checkpoint
 
         state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
-                 **self.hooks.checkpoint_state()}
+                 "nonfinite": self.engine.guard.state_dict(), **self.hooks.checkpoint_state()}
         return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, state,
                                self.config.save_total_limit)
 

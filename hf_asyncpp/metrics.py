@@ -80,28 +80,45 @@ class MetricsWriter:
 class ReducedStepStats:
     """One step's statistics summed over all ranks by a single asynchronous all-reduce.
 
-    Layout: [LM-loss sum, aux-loss sum, microbatch count, squared gradient norm, idle_0 … idle_{W−1},
-    age_0 … age_{S−1}]. The last-stage ranks contribute losses, the dp-rank-0 replica of every stage its
-    squared norm and its stages' weight-version ages, every rank its idle fraction. `value()` waits for the reduction, which by then has usually long
-    finished; nothing else does, so no rank waits for another between steps.
+    Layout: [LM-loss sum, aux-loss sum, microbatch count, squared gradient norm, microbatches with a
+    non-finite loss, termination requests, idle_0 … idle_{W−1}, then per stage: weight-version age,
+    non-finite gradient (0/1), skipped updates]. The last-stage ranks contribute losses, the dp-rank-0
+    replica of every stage its squared norm and its stages' ages and gradient findings (replicas hold
+    the same averaged gradient), every rank its idle fraction and whether it was asked to terminate.
+    `value()` waits for the reduction, which by then has usually long finished; nothing else does, so
+    no rank waits for another between steps.
     """
 
-    def __init__(self, loss_records, grad_sq_norm: float | None, idle_fraction: float, layout,
-                 version_age_by_stage: dict[int, int], n_stages: int):
+    _HEAD = 6
+
+    def __init__(self, loss_records, layout, n_stages: int, grad_sq_norm: float | None = None,
+                 idle_fraction: float = 0.0, version_age_by_stage: dict[int, int] | None = None,
+                 nonfinite_grad_stages=(), skipped_by_stage: dict[int, int] | None = None,
+                 termination_requested: bool = False):
+        import math
+
         import torch
         import torch.distributed as dist
 
         world_size = layout.world_size
-        self._world_size = world_size
-        self._vector = torch.zeros(4 + world_size + n_stages, dtype=torch.float64, device=layout.device)
+        self._world_size, self._n_stages = world_size, n_stages
+        self._vector = torch.zeros(self._HEAD + world_size + 3 * n_stages, dtype=torch.float64, device=layout.device)
         for lm, aux in loss_records:
-            self._vector[0] += lm.double().item()
-            self._vector[1] += aux.double().item()
+            lm, aux = lm.double().item(), aux.double().item()
+            self._vector[0] += lm
+            self._vector[1] += aux
             self._vector[2] += 1
+            self._vector[4] += not (math.isfinite(lm) and math.isfinite(aux))
         self._vector[3] = grad_sq_norm or 0.0
-        self._vector[4 + layout.rank] = idle_fraction
-        for stage, age in version_age_by_stage.items():
-            self._vector[4 + world_size + stage] = age
+        self._vector[5] = float(termination_requested)
+        self._vector[self._HEAD + layout.rank] = idle_fraction
+        per_stage = self._HEAD + world_size
+        for stage, age in (version_age_by_stage or {}).items():
+            self._vector[per_stage + stage] = age
+        for stage in nonfinite_grad_stages:
+            self._vector[per_stage + n_stages + stage] = 1
+        for stage, count in (skipped_by_stage or {}).items():
+            self._vector[per_stage + 2 * n_stages + stage] = count
         self._work = dist.all_reduce(self._vector, async_op=True)
         self._values: dict | None = None
 
@@ -113,12 +130,18 @@ class ReducedStepStats:
             self._work.wait()
             v = self._vector.tolist()
             count = max(v[2], 1.0)
+            stages = self._HEAD + self._world_size
+            s = self._n_stages
             self._values = {
                 "loss": v[0] / count,
                 "aux_loss": v[1] / count,
                 "grad_norm": v[3] ** 0.5,
-                "idle_fraction_per_rank": [round(x, 4) for x in v[4:4 + self._world_size]],
-                "weight_version_age_per_stage": [int(x) for x in v[4 + self._world_size:]],
+                "nonfinite_loss_microbatches": int(v[4]),
+                "termination_requested": v[5] > 0,
+                "idle_fraction_per_rank": [round(x, 4) for x in v[self._HEAD:stages]],
+                "weight_version_age_per_stage": [int(x) for x in v[stages:stages + s]],
+                "nonfinite_grad_stages": [i for i, x in enumerate(v[stages + s:stages + 2 * s]) if x > 0],
+                "skipped_updates_per_stage": [int(x) for x in v[stages + 2 * s:]],
             }
         return self._values[key]
 
@@ -135,6 +158,8 @@ class StepResult:
     step_time_s: float
     busy_s: float  # this rank's time inside stage compute
     reduced: "ReducedStepStats"
+    # A rank was asked to terminate (SIGTERM) by the previous step: every rank sees it at this step.
+    termination_requested: bool = False
 
     @property
     def idle_fraction(self) -> float:
@@ -165,3 +190,8 @@ class StepResult:
         """Per stage: updates between the weights this step's gradient was taken at and the weights
         it was applied to (0 synchronous; 1 for PipeDream-2BW after its first step)."""
         return self.reduced.value("weight_version_age_per_stage")
+
+    @property
+    def skipped_updates_per_stage(self) -> list[int]:
+        """Per stage: updates not applied in this step because their gradient was non-finite."""
+        return self.reduced.value("skipped_updates_per_stage")

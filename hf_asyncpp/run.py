@@ -2,7 +2,9 @@
 
 `training_scripts/train.py` and `hf-asyncpp train` are this module's `main`. Validation happens
 before any process group starts and before output_dir is touched; a bad config exits with status 2
-and one message.
+and one message. A run that fails on every rank together (resilience.py: a full disk, non-finite
+values under the stop policy, a lost peer) exits with status 1 and one message; a run stopped by
+SIGTERM after saving its checkpoint exits with status 0.
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ def train(config, model_config, launch) -> dict:
     from .loop import TrainingLoop, main_process_first
     from .parallel.mesh import init_parallel, shutdown_parallel
 
+    from .resilience import RunFailure, is_communication_error, peer_lost
+
     _set_threads(config, launch)
-    layout = init_parallel(launch, config.pp_size)
+    layout = init_parallel(launch, config.pp_size, config.comm_timeout_s)
+    peers_alive = True
     try:
         tokenizer = load_tokenizer(config.tokenizer)
         with main_process_first(layout):
@@ -71,13 +76,20 @@ def train(config, model_config, launch) -> dict:
         if config.resume_from_checkpoint:
             loop.resume(config.resume_from_checkpoint)
         record = loop.run()
+        if loop.terminated_at is not None:
+            return dict(record, terminated_at=loop.terminated_at)
         if config.save_final:
             out = loop.export(Path(config.output_dir) / "final", config.hub_model_id)
             if layout.is_main and config.push_to_hub:
                 record["push_error"] = _push(out, config.hub_model_id)
         return record
+    except Exception as err:
+        peers_alive = isinstance(err, RunFailure)  # raised by every rank at the same point
+        if is_communication_error(err):
+            raise peer_lost(err, layout.rank, config.comm_timeout_s) from err
+        raise
     finally:
-        shutdown_parallel()
+        shutdown_parallel(peers_alive)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,15 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         if _is_reporting_rank():
             print(f"error: {err}", file=sys.stderr)
         return 2
-    from .checkpoint.checkpoints import CheckpointError
+    from .resilience import PeerLostError, RunFailure
 
     start = time.time()
     try:
         record = train(config, model_config, launch)
-    except CheckpointError as err:  # every rank raised it together (e.g. a full disk): stop, say why
-        if _is_reporting_rank():
+    except RunFailure as err:  # every rank raised it together (a full disk, NaN), or lost its peers
+        if _is_reporting_rank() or isinstance(err, PeerLostError):  # a lost peer: each survivor says so
             print(f"error: {err}", file=sys.stderr)
         return 1
+    if "terminated_at" in record:
+        return 0
     if _is_reporting_rank():
         print(f"[hf_asyncpp] done in {time.time() - start:.1f}s")
     return 1 if record.get("push_error") else 0

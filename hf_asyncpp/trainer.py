@@ -220,7 +220,7 @@ class AsyncPPTrainer(Trainer):
         from .parallel.launch import read_launch
         from .parallel.mesh import init_parallel
 
-        layout = init_parallel(read_launch(), config.pp_size)
+        layout = init_parallel(read_launch(), config.pp_size, config.comm_timeout_s)
         engine = PipelineEngine(config, model.config, layout, model=model)
         atexit.register(self._shutdown)
         return TrainingLoop(config, model.config, layout, engine, data, tokenizer, hooks=_TrainerHooks(self),
@@ -248,7 +248,10 @@ class AsyncPPTrainer(Trainer):
         if resume_from_checkpoint:
             where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             try:
-                verify_checkpoint(find_checkpoint(where, args.output_dir))
+                found = find_checkpoint(where, args.output_dir)
+                if found is None:  # as Trainer does: True asks for a checkpoint that must exist
+                    raise CheckpointError(f"resume_from_checkpoint=True, but {args.output_dir} holds no complete checkpoint")
+                verify_checkpoint(found)
             except (CheckpointError, OSError, ValueError) as err:
                 raise ConfigError(str(err)) from None
             loop.resume(where)

@@ -72,8 +72,11 @@ BAD_INPUTS = {
         ["--schedule", "wpipe", "--eval_fraction", "0.1", "--eval_steps", "2"], 2,
         "evaluations during training .* are not supported for schedule 'wpipe'"),
     "negative save_steps": (["--save_steps", "-1"], 2, "save_steps must be >= 0"),
-    "resume from nothing": (["--resume_from_checkpoint", "latest", "--output_dir", "/nonexistent/run"], 2,
-                            "holds no complete checkpoint"),
+    "resume from a directory that is not a checkpoint": (
+        ["--resume_from_checkpoint", "/nonexistent/run/checkpoint-5"], 2, "is not a complete checkpoint"),
+    "unknown non-finite policy": (["--nonfinite_policy", "ignore"], 2, "unknown nonfinite_policy 'ignore'"),
+    "negative skip limit": (["--nonfinite_skip_limit", "-1"], 2, "nonfinite_skip_limit must be >= 0"),
+    "zero communication timeout": (["--comm_timeout_s", "0"], 2, "comm_timeout_s must be positive"),
 }
 
 

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..resilience import RunFailure, first_nonfinite
 from .training_state import load_training_state, training_state
 
 __all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
@@ -32,7 +33,7 @@ PREFIX = "checkpoint-"
 MANIFEST, TRAINER_STATE = "manifest.json", "trainer_state.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunFailure):
     """A checkpoint that cannot be used (missing, incomplete, damaged, or from an incompatible run)."""
 
 
@@ -46,13 +47,13 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find_checkpoint(resume_from: str, output_dir: str | Path) -> Path:
-    """`latest` (the newest complete checkpoint in output_dir) or a checkpoint directory."""
+def find_checkpoint(resume_from: str, output_dir: str | Path) -> Path | None:
+    """`latest`: the newest complete checkpoint in output_dir, None while there is none (so one
+    command serves the first launch and every restart or rerun after it); or a checkpoint directory,
+    which must be complete."""
     if resume_from == "latest":
         found = list_checkpoints(output_dir)
-        if not found:
-            raise CheckpointError(f"resume_from_checkpoint: latest, but {output_dir} holds no complete checkpoint")
-        return found[-1]
+        return found[-1] if found else None
     path = Path(resume_from)
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no {MANIFEST}; an interrupted save "
@@ -98,15 +99,20 @@ def _agree(layout, final: Path, failure: BaseException | None) -> None:
 def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_state: dict,
                     save_total_limit: int | None = None) -> Path:
     """Write the training state after `step` completed steps (collective: every rank calls it).
-    A failure on any rank (a full disk, an unwritable directory) raises the same CheckpointError on
+    A failure on any rank (a full disk, an unwritable directory, a non-finite value in the state,
+    which is then not written at all) raises the same CheckpointError on
     every rank, naming the path and the cause; the partial directory is removed and the previous
     checkpoint, pruned only after a new one is complete, stays."""
     final = Path(output_dir) / f"{PREFIX}{step}"
     staging = final.with_name(final.name + ".partial")
+    state = training_state(engine, layout.rank)
     try:
         failure = None
+        bad = first_nonfinite(state.items())
+        if bad is not None:  # never written: a checkpoint that resumes into NaN is worse than none
+            failure = ValueError(f"{bad} holds non-finite values")
         try:
-            if layout.is_main:
+            if layout.is_main and failure is None:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
         except OSError as err:
@@ -115,7 +121,7 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
         failure = None
         try:
             # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.
-            dcp.save(training_state(engine, layout.rank), storage_writer=FileSystemWriter(staging),
+            dcp.save(state, storage_writer=FileSystemWriter(staging),
                      planner=DefaultSavePlanner(flatten_state_dict=False))
         except CheckpointException as err:  # DCP reports a failed write on every rank (a BaseException)
             failure = _first_cause(err)

@@ -8,7 +8,8 @@ one `model.safetensors`; above it, every stage writes its own shard files in par
 (`model-0000i-of-0000N.safetensors`) and rank 0 writes `model.safetensors.index.json`, so no rank
 ever holds more than its stages. Rank 0 adds config.json, generation_config.json and the tokenizer.
 The directory is written under a temporary name and renamed at the end, so a crash never leaves a
-complete-looking export. What is exported is each stage's master copy: the newest weights, with
+complete-looking export; weights holding a NaN or an infinity are refused before anything is
+written. What is exported is each stage's master copy: the newest weights, with
 Error Feedback's correction applied (the extrapolated point, not a stashed version).
 """
 
@@ -26,6 +27,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from ..resilience import NonFiniteError, first_nonfinite
 
 __all__ = ["export_hf_model", "gather_full_state_dict", "on_disk_state"]
 
@@ -106,6 +109,10 @@ def export_hf_model(stage_state: dict[str, torch.Tensor], layout, model_config, 
     Returns the directory."""
     out_dir = Path(out_dir)
     staging = out_dir.with_name(out_dir.name + ".partial")
+    found = [None] * layout.world_size
+    dist.all_gather_object(found, first_nonfinite(stage_state.items()))
+    if any(found):
+        raise NonFiniteError(f"not exporting to {out_dir}: {next(f for f in found if f)} holds non-finite values")
     if layout.is_main:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)

@@ -65,6 +65,14 @@ class StalenessEmulator:
 
     def step(self) -> None:
         self.optimizer.step()
+        self._count_unit()
+
+    def skip(self) -> None:
+        """A unit whose update is not applied (a non-finite gradient): the weights stay, but they
+        count as a version, as in the pipeline, where a stage publishes its unchanged master."""
+        self._count_unit()
+
+    def _count_unit(self) -> None:
         for p, versions in self.history.items():
             versions.append(p.detach().clone())
         self.units += 1

@@ -59,6 +59,8 @@ def mesh_coordinates(rank: int, world_size: int, pp_size: int) -> tuple[int, int
 
 
 def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) -> ParallelLayout:
+    """Process groups for `launch` as a (pp, dp) mesh. Every collective and point-to-point operation
+    fails after `timeout_s` without its peer (a dead or stalled rank) instead of waiting forever."""
     if not launch.launched:  # plain `python train.py`: a one-rank group keeps one code path
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -88,7 +90,10 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
     )
 
 
-def shutdown_parallel() -> None:
+def shutdown_parallel(peers_alive: bool = True) -> None:
+    """Tear the process groups down. After a failure (`peers_alive` False) there is no final barrier:
+    a dead or stopped peer would keep it waiting until the timeout."""
     if dist.is_initialized():
-        dist.barrier()  # gloo sometimes aborts when a peer tears down mid-collective
+        if peers_alive:
+            dist.barrier()  # gloo sometimes aborts when a peer tears down mid-collective
         dist.destroy_process_group()

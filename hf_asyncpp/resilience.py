@@ -1,0 +1,153 @@
+"""How a run fails: together, with one message, and never leaving a bad state on disk.
+
+Three things stop a multi-rank run besides its end, and each is decided so that every rank takes the
+same decision at the same step boundary (a rank that decides alone leaves the others waiting in a
+receive):
+
+  - a non-finite loss or gradient norm (`NonFiniteGuard`): the update it would have made is never
+    applied (engine.py skips it where the gradient norm is non-finite: globally for synchronous
+    schedules, per stage for asynchronous ones, where a non-finite loss reaches every stage through the
+    backward); the policy then stops the run, or lets it continue up to a number of skipped steps;
+  - a termination request (SIGTERM, `TerminationRequest`): the run saves a checkpoint and ends cleanly;
+  - a rank that died or stalled: the others' next message times out (`comm_timeout_s`) or fails at
+    once (a closed connection), and `peer_lost` turns that into a `PeerLostError`.
+
+The first two travel in each step's statistics all-reduce (metrics.ReducedStepStats) and are read one
+step later, when that reduction has long finished: no rank waits for another to decide.
+`RunFailure` is what the front ends report as `error: ...` with exit status 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "NonFiniteGuard", "PeerLostError", "RunFailure",
+           "TerminationRequest", "first_nonfinite", "is_communication_error", "peer_lost"]
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class RunFailure(RuntimeError):
+    """Raised on every rank at the same point: the run stops with exit status 1 and this message."""
+
+
+class NonFiniteError(RunFailure):
+    """A non-finite loss or gradient norm under policy `stop`, or more skipped steps than allowed."""
+
+
+class PeerLostError(RunFailure):
+    """Another rank died or stopped answering within comm_timeout_s."""
+
+
+def first_nonfinite(named_tensors) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity (a DTensor: in this
+    rank's shard), or None. Checked before anything is written: nothing non-finite reaches a disk."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in named_tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            return name
+    return None
+
+
+def is_communication_error(err: BaseException) -> bool:
+    """Whether `err` is a collective or point-to-point operation that failed (timeout, closed peer)."""
+    import torch.distributed as dist
+
+    text = str(err)
+    return isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError) and any(s in text for s in ("gloo", "Connection closed by peer", "Timed out")))
+
+
+def peer_lost(err: BaseException, rank: int, timeout_s: float) -> PeerLostError:
+    return PeerLostError(
+        f"rank {rank} lost contact with the other ranks: {str(err).strip().splitlines()[0]} — another rank died or "
+        f"did not answer within comm_timeout_s ({timeout_s:g} s). Complete checkpoints are kept; rerun with "
+        "resume_from_checkpoint: latest to continue from the newest one")
+
+
+class NonFiniteGuard:
+    """Decides, from a step's reduced statistics, whether the run goes on after non-finite values.
+
+    `review(step, stats)` sees what every rank reported for step `step`: microbatches with a
+    non-finite loss, stages whose gradient was non-finite, updates skipped. Under `stop` any of them
+    raises `NonFiniteError`; under `skip` a step with a skipped update is counted and the run stops
+    once more than `skip_limit` steps were skipped. (Under an asynchronous schedule the loss of a
+    microbatch is reported with the step that forwarded it, its skipped update with the step that
+    applies it, which may be the next.) The message names the step, the stages and which
+    tensors were non-finite.
+    """
+
+    def __init__(self, policy: str, skip_limit: int, last_stage: int):
+        self.policy, self.skip_limit, self.last_stage = policy, skip_limit, last_stage
+        self.skipped_steps: list[int] = []
+
+    def describe(self, step: int, stats) -> str | None:
+        """What was non-finite in step `step`, or None."""
+        losses, stages = stats.value("nonfinite_loss_microbatches"), stats.value("nonfinite_grad_stages")
+        if not losses and not stages:
+            return None
+        parts = []
+        if losses:
+            parts.append(f"the loss of {losses} microbatch(es) (computed on stage {self.last_stage})")
+        if stages:
+            parts.append(f"the gradient of stage(s) {', '.join(map(str, stages))}")
+        skipped = sum(stats.value("skipped_updates_per_stage"))
+        what = "its update was skipped" if skipped else "no update was skipped (the gradients were finite)"
+        return f"step {step}: non-finite {' and '.join(parts)}; {what}"
+
+    def review(self, step: int, stats) -> None:
+        """Raise NonFiniteError when the policy says stop (identically on every rank)."""
+        message = self.describe(step, stats)
+        if message is None:
+            return
+        if self.policy == "stop":
+            raise NonFiniteError(f"{message}. nonfinite_policy is stop: the run stops; the weights hold no "
+                                 "non-finite value and the last checkpoint is kept")
+        if not any(stats.value("skipped_updates_per_stage")):  # reported; only skipped updates count
+            print(f"[hf_asyncpp] warning: {message}")
+            return
+        self.skipped_steps.append(step)
+        if len(self.skipped_steps) > self.skip_limit:
+            raise NonFiniteError(f"{message}. That is {len(self.skipped_steps)} steps with non-finite values "
+                                 f"(steps {', '.join(map(str, self.skipped_steps))}), more than nonfinite_skip_limit "
+                                 f"({self.skip_limit}): the run stops; the last checkpoint is kept")
+        print(f"[hf_asyncpp] warning: {message} ({len(self.skipped_steps)} of {self.skip_limit} allowed)")
+
+    def state_dict(self) -> dict:
+        return {"skipped_steps": list(self.skipped_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_steps = list(state.get("skipped_steps", []))
+
+
+class TerminationRequest:
+    """SIGTERM (a preemption, a scheduler's time limit) asks the run to save a checkpoint and end.
+
+    While `installed()` is active the signal only sets `requested`, which this rank adds to the next
+    step's statistics all-reduce; every rank reads the sum one step later, so all of them stop at the
+    same step boundary even when the signal reached just one.
+    """
+
+    def __init__(self):
+        self.requested = False
+
+    def _handle(self, signum, frame) -> None:
+        if not self.requested:
+            print("[hf_asyncpp] SIGTERM: saving a checkpoint at the next step boundary, then stopping", flush=True)
+        self.requested = True
+
+    @contextlib.contextmanager
+    def installed(self):
+        try:
+            previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread (e.g. inside a notebook's worker): signals stay as they are
+            yield self
+            return
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,56 @@
+"""training_scripts/train.py with a fault planted, for the failure tests (run it under torchrun).
+
+Environment:
+  POISON_TOKEN=t     the LM loss of every microbatch holding a row that starts with token t is
+                     multiplied by NaN: the recorded loss is NaN, and so is its gradient on every stage
+                     (the backward carries it through the whole pipeline).
+  IDENTITY_UPDATE=k  the reference for a skipped update: every stage's k-th update (0-based, in the
+                     order the stage applies them) is not applied — no optimizer, EF or LR-schedule
+                     step, its gradient dropped; nothing non-finite is involved.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import hf_asyncpp.models.pipeline_loss as pipeline_loss
+from hf_asyncpp import run
+from hf_asyncpp.engine import PipelineEngine
+
+
+def _plant_poison(token: int) -> None:
+    original = pipeline_loss.ForCausalLMLoss
+
+    def poisoned(logits, labels, vocab_size, **kwargs):
+        loss = original(logits, labels, vocab_size, **kwargs)
+        return loss * float("nan") if bool((labels[:, 0] == token).any()) else loss
+
+    pipeline_loss.ForCausalLMLoss = poisoned
+
+
+def _drop_update(k: int) -> None:
+    original = PipelineEngine._apply_update
+    counts: dict[int, int] = {}
+
+    def apply_unless_kth(self, updater, stepper=None):
+        n = counts[id(updater)] = counts.get(id(updater), -1) + 1
+        if n != k:
+            return original(self, updater, stepper)
+        for param in updater.params:
+            param.grad = None
+        if hasattr(stepper, "skip"):
+            stepper.skip()
+
+    PipelineEngine._apply_update = apply_unless_kth
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if "POISON_TOKEN" in os.environ:
+        _plant_poison(int(os.environ["POISON_TOKEN"]))
+    if "IDENTITY_UPDATE" in os.environ:
+        _drop_update(int(os.environ["IDENTITY_UPDATE"]))
+    sys.exit(run.main(sys.argv[1:]))
