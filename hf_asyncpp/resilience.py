@@ -59,7 +59,7 @@ def is_communication_error(err: BaseException) -> bool:
 
     text = str(err)
     return isinstance(err, dist.DistError) or (
-        isinstance(err, RuntimeError) and any(s in text for s in ("gloo", "Connection closed by peer", "Timed out")))
+        isinstance(err, RuntimeError) and any(s in text for s in ("gloo", "by peer", "Timed out")))
 
 
 def peer_lost(err: BaseException, rank: int, timeout_s: float) -> PeerLostError:

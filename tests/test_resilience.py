@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import signal
 import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -158,3 +162,132 @@ def test_stop_names_the_step_the_stages_and_the_tensors():
     with pytest.raises(NonFiniteError, match=r"^step 6: non-finite the loss of 2 microbatch\(es\) \(computed on stage 3\) "
                                              r"and the gradient of stage\(s\) 1, 3; its update was skipped"):
         guard.review(6, _Stats(losses=2, stages=[1, 3], skipped=(0, 1, 0, 1)))
+
+
+# --- preemption and lost ranks --------------------------------------------------------------------
+#
+# PipeDream-2BW + EF at pp 2 (microbatches in flight at every step boundary, the harder case), 30
+# steps, checkpoints every 3, and `--resume_from_checkpoint latest` in the command from the start:
+# the command a cluster job would rerun or a launcher restart. Every variant ends with the same final
+# weights and per-step losses as the run that was never interrupted.
+
+LONG = 30
+
+
+def _long_command(tmp_path, out, *launcher, timeout_s: float = 600):
+    return [*launcher, "training_scripts/train.py", "--model_config", str(tmp_path / "model"),
+            "--dataset", str(tmp_path / "long.jsonl"), "--seq_len", str(SEQ), "--micro_batch_size", str(MBS),
+            "--n_microbatches", str(M), "--pp_size", "2", "--schedule", "pipedream-2bw", "--ef", "true",
+            "--optimizer", "adamw", "--learning_rate", "3e-3", "--warmup_steps", "3", "--max_steps", str(LONG),
+            "--save_steps", "3", "--save_total_limit", "2", "--threads_per_rank", "1", "--report_to", "none",
+            "--comm_timeout_s", str(timeout_s), "--resume_from_checkpoint", "latest", "--output_dir", str(out)]
+
+
+def _torchrun(*extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    _data(tmp_path)
+    rows = torch.randint(0, 8000, (LONG * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
+    out = tmp_path / "run"
+    subprocess.run(_long_command(tmp_path, out, *_torchrun()), check=True, env=_env(), capture_output=True, timeout=600)
+    return tmp_path, out
+
+
+def _same_run(out, reference) -> None:
+    losses = {r["step"]: r["loss"] for r in _records(out)}
+    assert losses == {r["step"]: r["loss"] for r in _records(reference)} and len(losses) == LONG
+    got, want = _weights(out), _weights(reference)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _rank_process(launcher: subprocess.Popen, rank: int):
+    for process in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "train.py" in " ".join(process.cmdline()) and process.environ().get("RANK") == str(rank):
+                return process
+        except psutil.NoSuchProcess:
+            pass
+    return None
+
+
+def _wait_for(condition, launcher, seconds=300):
+    deadline = time.time() + seconds
+    while not condition() and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.05)
+    assert condition(), "the run ended (or stalled) before the fault could be planted"
+
+
+def _logged_steps(out) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+@pytest.mark.multirank
+def test_sigterm_to_one_rank_checkpoints_every_rank_and_the_same_command_continues_bitwise(uninterrupted):
+    tmp_path, reference = uninterrupted
+    out = tmp_path / "preempted"
+    command = _long_command(tmp_path, out, *_torchrun())
+    launcher = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: _logged_steps(out) >= 4 and _rank_process(launcher, 1), launcher)
+    _rank_process(launcher, 1).send_signal(signal.SIGTERM)  # one rank only: the others learn it from the step stats
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, output[-3000:]
+    stopped = int(re.search(r"stopped after step (\d+) on SIGTERM", output).group(1))
+    assert 4 <= stopped < LONG and (out / f"checkpoint-{stopped}").is_dir() and not (out / "final").exists()
+    assert _logged_steps(out) == stopped
+
+    rerun = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {out / f'checkpoint-{stopped}'}" in rerun.stdout
+    _same_run(out, reference)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_or_stalled_rank_stops_the_others_within_the_timeout(uninterrupted, fault):
+    """Ranks started without an elastic agent (as a cluster's own launcher starts them), so nothing
+    but the run itself can notice the lost peer: a killed rank closes its connections (noticed at the
+    next message), a stopped one just never answers (noticed after comm_timeout_s)."""
+    from hf_asyncpp.parallel.mesh import free_port
+
+    tmp_path, _ = uninterrupted
+    out, timeout_s = tmp_path / f"lost-{fault}", 10
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen(_long_command(tmp_path, out, sys.executable, timeout_s=timeout_s),
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _wait_for(lambda: _logged_steps(out) >= 4, ranks[0])
+        ranks[1].send_signal(getattr(signal, fault))
+        faulted = time.time()
+        _, stderr = ranks[0].communicate(timeout=timeout_s + 30)
+        assert time.time() - faulted < timeout_s + 30
+        assert ranks[0].returncode == 1
+        assert "error: rank 0 lost contact with the other ranks" in stderr and "comm_timeout_s (10 s)" in stderr
+        assert re.search("Timed out" if fault == "SIGSTOP" else "Connection (closed|reset) by peer", stderr)
+        assert not (out / "final").exists()
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+
+
+@pytest.mark.multirank
+def test_with_a_restart_budget_a_killed_rank_costs_only_the_steps_since_the_last_checkpoint(uninterrupted):
+    tmp_path, reference = uninterrupted
+    out = tmp_path / "restarted"
+    from hf_asyncpp.checkpoint.checkpoints import list_checkpoints
+
+    launcher = subprocess.Popen(_long_command(tmp_path, out, *_torchrun("--max_restarts", "1")), env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: list_checkpoints(out) and _logged_steps(out) >= 5 and _rank_process(launcher, 1), launcher)
+    _rank_process(launcher, 1).send_signal(signal.SIGKILL)
+    output, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, output[-3000:]
+    assert re.search(r"resumed from .*checkpoint-\d+ after step \d+", output)  # the launcher's restart resumed
+    _same_run(out, reference)

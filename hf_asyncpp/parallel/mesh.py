@@ -73,9 +73,13 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():  # a front end's framework (accelerate, under Trainer) may have started it
-        dist.init_process_group(
-            backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        # A launcher restarting the workers (torchrun --max_restarts) keeps its store, which still holds
+        # the previous attempt's addresses: each attempt's group keeps its keys under its own prefix.
+        store = dist.PrefixStore(f"hf_asyncpp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout)
     pp_rank, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, pp_size)
     mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
     return ParallelLayout(
