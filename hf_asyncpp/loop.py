@@ -208,7 +208,12 @@ class TrainingLoop:
             out = Path(self.config.output_dir)
             self.writer = MetricsWriter(out, self.start_step if self.checkpoint_state else None)
             self.reporters = Reporters(self.report_to, out / "runs", out.name, dataclasses.asdict(self.config))
-        self.writer.write(record)
+        try:
+            self.writer.write(record)
+        except OSError as err:  # e.g. output_dir became read-only: say so instead of a traceback
+            from .resilience import RunFailure
+
+            raise RunFailure(f"writing {self.writer.path} failed ({err}); complete checkpoints are kept") from err
         self.reporters.log(record, record["step"])
 
     def evaluate(self, step: int) -> dict:

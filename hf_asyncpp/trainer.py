@@ -239,7 +239,8 @@ class AsyncPPTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
               **kwargs) -> TrainOutput:
         """Run the pipeline to max_steps (or a callback's stop). `resume_from_checkpoint`: True for the
-        newest complete checkpoint in output_dir, or a checkpoint directory."""
+        newest complete checkpoint in output_dir, or a checkpoint directory. A SIGTERM makes every
+        process save a checkpoint at the next step boundary and exit with status 0 (SystemExit)."""
         from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
 
         if self._trained:
@@ -265,6 +266,8 @@ class AsyncPPTrainer(Trainer):
         start = time.time()
         loop.run()
         self._trained = True
+        if loop.terminated_at is not None:  # SIGTERM: the checkpoint is saved; the process ends as asked
+            raise SystemExit(0)
         losses = [r["loss"] for r in state.log_history if "loss" in r]
         train_loss = sum(losses) / len(losses) if losses else float("nan")
         runtime = time.time() - start

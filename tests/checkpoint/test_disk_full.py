@@ -5,8 +5,9 @@ train.py under torchrun (pp 2, 1F1B, AdamW) writes into a small tmpfs that holds
 the run's logs but not a second checkpoint beside it: checkpoint-2 completes, checkpoint-4 fails with
 "No space left on device" on whichever rank hits it first; every rank stops with the same error (exit
 status non-zero, no hang), no `.partial` directory is left, and checkpoint-2 verifies and resumes
-(in a larger directory) to the same losses as a run that never failed. Needs permission to mount a
-tmpfs (root in a container); skipped otherwise.
+(in a larger directory) to the same losses as a run that never failed. A second run's output directory
+becomes unwritable (chattr +i) once its first checkpoint exists: the next save stops the run with the
+path and the cause, and that checkpoint verifies and resumes. Needs permission to mount a tmpfs (root in a container); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -76,3 +78,37 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path, s
                              text=True, env=_env(), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _losses(moved) == _losses(reference)
+
+
+def _immutable(path, on: bool) -> bool:
+    """chattr ±i: no entry can be added to or removed from the directory, not even by root."""
+    return subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True).returncode == 0
+
+
+@pytest.mark.multirank
+def test_an_output_dir_that_becomes_unwritable_stops_the_run_and_the_last_checkpoint_still_loads(tmp_path):
+    _setup(tmp_path)
+    out = tmp_path / "run"
+    run = subprocess.Popen(_command(tmp_path, out, "--max_steps", "30"), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.time() + 300
+        while not list_checkpoints(out) and time.time() < deadline and run.poll() is None:
+            time.sleep(0.02)
+        if not _immutable(out, True):
+            run.kill()
+            pytest.skip("making a directory immutable (chattr +i) needs privileges this machine does not give")
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+        _immutable(out, False)
+    assert run.returncode == 1
+    assert f"error: saving checkpoint {out / 'checkpoint-4'} failed on rank 0 (PermissionError" in stderr
+    assert "Operation not permitted" in stderr and "the previous checkpoint is kept" in stderr
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"] and not list(out.glob("*.partial"))
+    verify_checkpoint(out / "checkpoint-2")
+    resumed = subprocess.run(_command(tmp_path, out, "--max_steps", "30", "--resume_from_checkpoint", "latest"),
+                             capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoint-2'} after step 2" in resumed.stdout
+    assert sorted(_losses(out)) == list(range(1, 31))
