@@ -21,7 +21,7 @@ from hf_asyncpp import run
 from hf_asyncpp.engine import PipelineEngine
 
 
-def _plant_poison(token: int) -> None:
+def plant_poison(token: int) -> None:
     original = pipeline_loss.ForCausalLMLoss
 
     def poisoned(logits, labels, vocab_size, **kwargs):
@@ -31,7 +31,7 @@ def _plant_poison(token: int) -> None:
     pipeline_loss.ForCausalLMLoss = poisoned
 
 
-def _drop_update(k: int) -> None:
+def drop_update(k: int) -> None:
     original = PipelineEngine._apply_update
     counts: dict[int, int] = {}
 
@@ -50,7 +50,7 @@ def _drop_update(k: int) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if "POISON_TOKEN" in os.environ:
-        _plant_poison(int(os.environ["POISON_TOKEN"]))
+        plant_poison(int(os.environ["POISON_TOKEN"]))
     if "IDENTITY_UPDATE" in os.environ:
-        _drop_update(int(os.environ["IDENTITY_UPDATE"]))
+        drop_update(int(os.environ["IDENTITY_UPDATE"]))
     sys.exit(run.main(sys.argv[1:]))

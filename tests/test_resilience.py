@@ -291,3 +291,49 @@ def test_with_a_restart_budget_a_killed_rank_costs_only_the_steps_since_the_last
     assert launcher.returncode == 0, output[-3000:]
     assert re.search(r"resumed from .*checkpoint-\d+ after step \d+", output)  # the launcher's restart resumed
     _same_run(out, reference)
+
+
+def _poisoned_run(rank, world_size, pp_size: int):
+    """2BW (AdamW + EF, skip policy) with minibatch K's loss poisoned: on a pp 2 pipeline, or emulated
+    on one process at depth 2. The final weights (whole, on rank 0) and the skipped updates per step."""
+    from hf_asyncpp.checkpoint import gather_full_state_dict
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+    from tests.faults import plant_poison
+
+    plant_poison(127)
+    layout = init_parallel(read_launch(), pp_size)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=pp_size, emulate_pp_size=2 if pp_size == 1 else 0,
+                             schedule="pipedream-2bw", optimizer="adamw", ef=True, learning_rate=3e-3,
+                             lr_scheduler_type="linear", warmup_steps=2, seq_len=SEQ, micro_batch_size=MBS,
+                             n_microbatches=M, seed=4, max_steps=STEPS, nonfinite_policy="skip")
+        engine = PipelineEngine(config, model_config, layout)
+        rows = torch.randint(0, 120, (STEPS, ROWS, SEQ), generator=torch.Generator().manual_seed(2))
+        rows[K, MBS, 0] = 127
+        results = [engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
+        engine.finish()
+        skipped = [r.skipped_updates_per_stage for r in results]
+        state = gather_full_state_dict(engine.stage_state_dict(), layout)
+        return None if state is None else ({k: v.tolist() for k, v in state.items()}, skipped)
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_the_one_process_emulator_skips_an_update_as_the_pipeline_does():
+    """The emulator's history must count the skipped unit as a version, as the pipeline publishes its
+    unchanged master: otherwise every later gradient would be taken at weights one update older.
+    Tolerance: the emulator and the pipeline agree to float rounding (tests/test_engine_async.py)."""
+    from hf_asyncpp.parallel.spawn import run_ranks
+    from tests.test_engine_async import TOL
+
+    pipeline, skipped = run_ranks(2, _poisoned_run, 2)[0]
+    emulated, emulated_skipped = run_ranks(1, _poisoned_run, 1)[0]
+    assert skipped == emulated_skipped and sum(map(sum, skipped)) == 2
+    assert pipeline.keys() == emulated.keys()
+    for name in pipeline:
+        assert torch.allclose(torch.tensor(pipeline[name]), torch.tensor(emulated[name]), rtol=0, atol=TOL), name
