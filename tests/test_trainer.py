@@ -243,3 +243,23 @@ def test_training_arguments_map_onto_the_pipeline_config(tmp_path):
     assert config.muon_lr_scale == "match_rms_adamw" and config.report_to == []
     assert _args(tmp_path / "out", momentum=0.95).pipeline.momentum == 0.95
     assert _args(tmp_path / "out", warmup_steps=0.1).get_warmup_steps(50) == 5
+
+
+@pytest.mark.multirank
+def test_a_sigterm_to_one_process_checkpoints_every_process_and_train_exits_0(corpus, tmp_path):
+    """Rank 1 is signalled after step 2, so its flag travels in step 3's statistics, which every process
+    reads at the end of step 4: all save checkpoint-4 and exit 0 from train() without running on to the
+    export; resuming finishes the run."""
+    out = tmp_path / "preempted"
+    command = ["torchrun", "--nproc_per_node", "2", "tests/trainer_script.py", str(out), str(corpus / "model"),
+               str(corpus / "train.jsonl"), str(corpus / "eval.jsonl"), "--sigterm_at", "2"]
+    for key, value in {**TRAINER_SETTINGS, "eval_strategy": "no", "save_steps": 0}.items():
+        command += [f"--{key}", json.dumps(value)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "stopped after step 4 on SIGTERM" in done.stdout
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]
+    assert not (out / "final").exists() and not (out / "log_history.json").exists()
+
+    resumed = _trainer_run(corpus, out, "--resume", "True", eval_strategy="no", save_steps=0)
+    assert resumed["global_step"] == STEPS and sorted(_losses(resumed["log_history"])) == list(range(1, STEPS + 1))

@@ -25,6 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--push", action="store_true")
     parser.add_argument("--stop_after", type=int, default=0)
+    parser.add_argument("--sigterm_at", type=int, default=0, help="rank 1 receives SIGTERM after this step")
     known, rest = parser.parse_known_args(argv)
     settings = {rest[i].lstrip("-"): json.loads(rest[i + 1]) for i in range(0, len(rest), 2)}
 
@@ -43,10 +44,22 @@ def main(argv: list[str]) -> int:
                     control.should_training_stop = True
 
         callbacks.append(StopAt())
+    if known.sigterm_at:
+        import os
+        import signal
+
+        from transformers import TrainerCallback
+
+        class Preempt(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == known.sigterm_at and os.environ.get("RANK") == "1":
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        callbacks.append(Preempt())
     tokenizer = AutoTokenizer.from_pretrained(str(BUILTIN_TOKENIZER_DIR))
     trainer = AsyncPPTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                              processing_class=tokenizer, callbacks=callbacks)
-    output = trainer.train(resume_from_checkpoint=known.resume)
+    output = trainer.train(resume_from_checkpoint=True if known.resume == "True" else known.resume)
     if known.push:
         print("pushed:", trainer.push_to_hub())
     else:
