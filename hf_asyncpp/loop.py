@@ -89,10 +89,10 @@ def main_process_first(layout):
     import torch.distributed as dist
 
     if not layout.is_main:
-        dist.barrier()
+        dist.barrier(group=layout.io_group)
     yield
     if layout.is_main:
-        dist.barrier()
+        dist.barrier(group=layout.io_group)
 
 
 class TrainingLoop:
@@ -211,9 +211,9 @@ class TrainingLoop:
         try:
             self.writer.write(record)
         except OSError as err:  # e.g. output_dir became read-only: say so instead of a traceback
-            from .resilience import RunFailure
+            from .resilience import LocalFailure
 
-            raise RunFailure(f"writing {self.writer.path} failed ({err}); complete checkpoints are kept") from err
+            raise LocalFailure(f"writing {self.writer.path} failed ({err}); complete checkpoints are kept") from err
         self.reporters.log(record, record["step"])
 
     def evaluate(self, step: int) -> dict:

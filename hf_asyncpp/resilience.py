@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import signal
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "NonFiniteGuard", "PeerLostError", "RunFailure",
+__all__ = ["NONFINITE_POLICIES", "LocalFailure", "NonFiniteError", "NonFiniteGuard", "PeerLostError", "RunFailure",
            "TerminationRequest", "first_nonfinite", "is_communication_error", "peer_lost"]
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -30,6 +30,11 @@ NONFINITE_POLICIES = ("stop", "skip")
 
 class RunFailure(RuntimeError):
     """Raised on every rank at the same point: the run stops with exit status 1 and this message."""
+
+
+class LocalFailure(RunFailure):
+    """Raised on this rank only (e.g. rank 0 cannot write metrics.jsonl): it exits with the message,
+    and the others stop as for a lost peer."""
 
 
 class NonFiniteError(RunFailure):

@@ -61,8 +61,7 @@ def train(config, model_config, launch) -> dict:
     from .engine import PipelineEngine
     from .loop import TrainingLoop, main_process_first
     from .parallel.mesh import init_parallel, shutdown_parallel
-
-    from .resilience import RunFailure, is_communication_error, peer_lost
+    from .resilience import LocalFailure, RunFailure, is_communication_error, peer_lost
 
     _set_threads(config, launch)
     layout = init_parallel(launch, config.pp_size, config.comm_timeout_s)
@@ -84,7 +83,8 @@ def train(config, model_config, launch) -> dict:
                 record["push_error"] = _push(out, config.hub_model_id)
         return record
     except Exception as err:
-        peers_alive = isinstance(err, RunFailure)  # raised by every rank at the same point
+        # Raised by every rank at the same point: they can still meet at the final barrier.
+        peers_alive = isinstance(err, RunFailure) and not isinstance(err, LocalFailure)
         if is_communication_error(err):
             raise peer_lost(err, layout.rank, config.comm_timeout_s) from err
         raise
@@ -107,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         if _is_reporting_rank():
             print(f"error: {err}", file=sys.stderr)
         return 2
-    from .resilience import PeerLostError, RunFailure
+    from .resilience import LocalFailure, PeerLostError, RunFailure
 
     start = time.time()
     try:
         record = train(config, model_config, launch)
     except RunFailure as err:  # every rank raised it together (a full disk, NaN), or lost its peers
-        if _is_reporting_rank() or isinstance(err, PeerLostError):  # a lost peer: each survivor says so
+        if _is_reporting_rank() or isinstance(err, (PeerLostError, LocalFailure)):  # said by the rank concerned
             print(f"error: {err}", file=sys.stderr)
         return 1
     if "terminated_at" in record:

@@ -7,6 +7,7 @@ Environment:
   IDENTITY_UPDATE=k  the reference for a skipped update: every stage's k-th update (0-based, in the
                      order the stage applies them) is not applied — no optimizer, EF or LR-schedule
                      step, its gradient dropped; nothing non-finite is involved.
+  SLOW_DATA=s        rank 0 takes s seconds longer to prepare the dataset (the others wait for it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ def plant_poison(token: int) -> None:
     pipeline_loss.ForCausalLMLoss = poisoned
 
 
+def slow_data(seconds: float) -> None:
+    import time
+
+    import hf_asyncpp.data as data
+
+    original = data.training_data
+
+    def slow(config, tokenizer, dp_rank, dp_size):
+        if os.environ.get("RANK") == "0":
+            time.sleep(seconds)
+        return original(config, tokenizer, dp_rank, dp_size)
+
+    data.training_data = slow
+
+
 def drop_update(k: int) -> None:
     original = PipelineEngine._apply_update
     counts: dict[int, int] = {}
@@ -53,4 +69,6 @@ if __name__ == "__main__":
         plant_poison(int(os.environ["POISON_TOKEN"]))
     if "IDENTITY_UPDATE" in os.environ:
         drop_update(int(os.environ["IDENTITY_UPDATE"]))
+    if "SLOW_DATA" in os.environ:
+        slow_data(float(os.environ["SLOW_DATA"]))
     sys.exit(run.main(sys.argv[1:]))

@@ -129,6 +129,15 @@ def test_skip_under_an_asynchronous_schedule_drops_exactly_that_update(tmp_path)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.multirank
+def test_waiting_for_rank_0_to_prepare_the_data_does_not_count_against_comm_timeout_s(tmp_path):
+    """Waits on another rank's I/O (here: rank 0 packing the dataset for 6 s) go through a group with a
+    long timeout; comm_timeout_s (2 s) bounds only training's messages."""
+    done = _train(tmp_path, tmp_path / "slow", _data(tmp_path), "1f1b", "--comm_timeout_s", "2", "--max_steps", "2",
+                  fault={"SLOW_DATA": 6})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 class _Stats:
     """What one step's reduced statistics report (metrics.ReducedStepStats.value)."""
 

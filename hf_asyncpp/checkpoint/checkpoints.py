@@ -88,7 +88,8 @@ def _first_cause(err: CheckpointException) -> BaseException:
 def _agree(layout, final: Path, failure: BaseException | None) -> None:
     """Every rank learns whether any rank's part of the save failed, and raises the same error."""
     reports = [None] * layout.world_size
-    dist.all_gather_object(reports, None if failure is None else f"{type(failure).__name__}: {failure}")
+    dist.all_gather_object(reports, None if failure is None else f"{type(failure).__name__}: {failure}",
+                           group=layout.io_group)
     failed = [(rank, report) for rank, report in enumerate(reports) if report]
     if failed:
         rank, report = failed[0]
@@ -121,7 +122,7 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
         failure = None
         try:
             # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.
-            dcp.save(state, storage_writer=FileSystemWriter(staging),
+            dcp.save(state, storage_writer=FileSystemWriter(staging), process_group=layout.io_group,
                      planner=DefaultSavePlanner(flatten_state_dict=False))
         except CheckpointException as err:  # DCP reports a failed write on every rank (a BaseException)
             failure = _first_cause(err)
@@ -148,7 +149,7 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
     if layout.is_main and save_total_limit:
         for old in list_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=layout.io_group)
     return final
 
 
@@ -178,7 +179,7 @@ def load_checkpoint(engine, layout, path: Path) -> dict:
             verdict = [verify_checkpoint(path, checksums=False)]
         except (CheckpointError, OSError, ValueError) as err:
             verdict = [CheckpointError(str(err))]
-    dist.broadcast_object_list(verdict, src=0)
+    dist.broadcast_object_list(verdict, src=0, group=layout.io_group)
     if isinstance(verdict[0], Exception):
         raise verdict[0]
     trainer_state = verdict[0]
@@ -192,7 +193,7 @@ def load_checkpoint(engine, layout, path: Path) -> dict:
     saved = reader.read_metadata().state_dict_metadata
     try:
         load_training_state(engine, layout.rank, saved, lambda state: dcp.load(
-            state, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False)))
+            state, storage_reader=reader, process_group=layout.io_group, planner=DefaultLoadPlanner(flatten_state_dict=False)))
     except ValueError as err:
         raise CheckpointError(f"checkpoint {path} does not fit this run: {err}") from None
     return trainer_state

@@ -110,17 +110,17 @@ def export_hf_model(stage_state: dict[str, torch.Tensor], layout, model_config, 
     out_dir = Path(out_dir)
     staging = out_dir.with_name(out_dir.name + ".partial")
     found = [None] * layout.world_size
-    dist.all_gather_object(found, first_nonfinite(stage_state.items()))
+    dist.all_gather_object(found, first_nonfinite(stage_state.items()), group=layout.io_group)
     if any(found):
         raise NonFiniteError(f"not exporting to {out_dir}: {next(f for f in found if f)} holds non-finite values")
     if layout.is_main:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-    dist.barrier()
+    dist.barrier(group=layout.io_group)
     problem = [None]
     if layout.dp_rank == 0:  # one writer per stage; the pp group of dp rank 0 holds every stage once
         problem = [_write_stage_files(stage_state, layout, model_config, staging, max_shard_size)]
-    dist.broadcast_object_list(problem, src=0)  # every rank stops, or goes on, together
+    dist.broadcast_object_list(problem, src=0, group=layout.io_group)  # every rank stops, or goes on, together
     if problem[0]:
         if layout.is_main:
             shutil.rmtree(staging, ignore_errors=True)
@@ -134,9 +134,9 @@ def export_hf_model(stage_state: dict[str, torch.Tensor], layout, model_config, 
             tokenizer.save_pretrained(staging)
         if model_card is not None:
             (staging / "README.md").write_text(model_card)
-    dist.barrier()
+    dist.barrier(group=layout.io_group)
     if layout.is_main:
         shutil.rmtree(out_dir, ignore_errors=True)
         staging.rename(out_dir)
-    dist.barrier()
+    dist.barrier(group=layout.io_group)
     return out_dir

@@ -2,7 +2,8 @@
 
 Rank r sits at pp_rank = r // dp, dp_rank = r % dp: the ranks of one pipeline are dp apart, the
 replicas of one stage are neighbours (on GPUs, data-parallel traffic stays inside a node).
-Backend: gloo on CPU, nccl on CUDA.
+Backend: gloo on CPU, nccl on CUDA. Training's messages time out after comm_timeout_s (a dead or
+stalled peer); waits on another rank's I/O go through `io_group`, whose timeout is IO_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .launch import LaunchInfo
 
-__all__ = ["ParallelLayout", "free_port", "init_parallel", "mesh_coordinates", "shutdown_parallel"]
+__all__ = ["IO_TIMEOUT", "ParallelLayout", "free_port", "init_parallel", "mesh_coordinates", "shutdown_parallel"]
+
+IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
 
 
 @dataclass
@@ -31,6 +34,9 @@ class ParallelLayout:
     dp_rank: int
     device: torch.device
     mesh: DeviceMesh
+    # All ranks, gloo, with a long timeout: for waits on a rank's I/O (dataset preparation, checkpoint
+    # and export writes), which may outlast comm_timeout_s without anything being wrong.
+    io_group: object = None
 
     @property
     def pp_group(self):
@@ -82,6 +88,7 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
                                 timeout=timeout)
     pp_rank, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, pp_size)
     mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
+    io_group = dist.new_group(backend="gloo", timeout=max(IO_TIMEOUT, timedelta(seconds=timeout_s)))
     return ParallelLayout(
         world_size=launch.world_size,
         rank=launch.rank,
@@ -91,6 +98,7 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         dp_rank=dp_rank,
         device=device,
         mesh=mesh,
+        io_group=io_group,
     )
 
 
