@@ -97,12 +97,12 @@ class NonFiniteGuard:
             return None
         parts = []
         if losses:
-            parts.append(f"the loss of {losses} microbatch(es) (computed on stage {self.last_stage})")
+            parts.append(f"in the loss of {losses} microbatch{'es' * (losses > 1)} (computed on stage {self.last_stage})")
         if stages:
-            parts.append(f"the gradient of stage(s) {', '.join(map(str, stages))}")
-        skipped = sum(stats.value("skipped_updates_per_stage"))
-        what = "its update was skipped" if skipped else "no update was skipped (the gradients were finite)"
-        return f"step {step}: non-finite {' and '.join(parts)}; {what}"
+            parts.append(f"in the gradient of {_stages(stages)}")
+        skipped = [stage for stage, count in enumerate(stats.value("skipped_updates_per_stage")) if count]
+        what = f"the update of {_stages(skipped)} was not applied" if skipped else "no update was skipped (the gradients were finite)"
+        return f"step {step}: NaN or infinity {' and '.join(parts)}; {what}"
 
     def review(self, step: int, stats) -> None:
         """Raise NonFiniteError when the policy says stop (identically on every rank)."""
@@ -127,6 +127,10 @@ class NonFiniteGuard:
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_steps = list(state.get("skipped_steps", []))
+
+
+def _stages(stages) -> str:
+    return f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))}"
 
 
 class TerminationRequest:

@@ -84,8 +84,8 @@ def test_stop_ends_every_rank_at_the_next_step_and_writes_nothing_non_finite(tmp
                   fault={"POISON_TOKEN": POISON})
     assert done.returncode != 0
     assert time.time() - start < 120
-    assert (f"error: step {K + 1}: non-finite the loss of 1 microbatch(es) (computed on stage 1) and the gradient "
-            "of stage(s) 0, 1; its update was skipped. nonfinite_policy is stop") in done.stderr
+    assert (f"error: step {K + 1}: NaN or infinity in the loss of 1 microbatch (computed on stage 1) and in the "
+            "gradient of stages 0, 1; the update of stages 0, 1 was not applied. nonfinite_policy is stop") in done.stderr
     # Decided on every rank at the end of the next step, before that step is logged.
     assert [r["step"] for r in _records(out)] == list(range(1, K + 2))
     assert not (out / "final").exists()
@@ -101,7 +101,7 @@ def test_skip_gives_the_weights_of_a_run_that_never_saw_the_minibatch(tmp_path):
     done = _train(tmp_path, skipped, _data(tmp_path), "1f1b", "--nonfinite_policy", "skip",
                   fault={"POISON_TOKEN": POISON})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"warning: step {K + 1}: non-finite the loss of 1 microbatch(es)" in done.stdout
+    assert f"warning: step {K + 1}: NaN or infinity in the loss of 1 microbatch" in done.stdout
     without = _train(tmp_path, reference, _data(tmp_path, drop_minibatch=K), "1f1b", "--max_steps", str(STEPS - 1))
     assert without.returncode == 0, without.stderr[-3000:]
 
@@ -157,7 +157,8 @@ def test_skip_stops_once_more_steps_than_the_limit_were_skipped(capsys):
     guard.review(2, _Stats(stages=[0], skipped=(1, 0)))
     guard.review(3, _Stats(losses=1))  # a loss reported before its update: not a skipped step
     guard.review(4, _Stats(losses=1, stages=[0, 1], skipped=(1, 1)))
-    assert "step 2: non-finite the gradient of stage(s) 0; its update was skipped (1 of 2 allowed)" in capsys.readouterr().out
+    assert ("step 2: NaN or infinity in the gradient of stage 0; the update of stage 0 was not applied (1 of 2 allowed)"
+            in capsys.readouterr().out)
     with pytest.raises(NonFiniteError, match=r"step 7: .* 3 steps with non-finite values \(steps 2, 4, 7\), more than "
                                              r"nonfinite_skip_limit \(2\)"):
         guard.review(7, _Stats(stages=[1], skipped=(0, 1)))
@@ -168,8 +169,8 @@ def test_stop_names_the_step_the_stages_and_the_tensors():
 
     guard = NonFiniteGuard("stop", skip_limit=10, last_stage=3)
     guard.review(5, _Stats())
-    with pytest.raises(NonFiniteError, match=r"^step 6: non-finite the loss of 2 microbatch\(es\) \(computed on stage 3\) "
-                                             r"and the gradient of stage\(s\) 1, 3; its update was skipped"):
+    with pytest.raises(NonFiniteError, match=r"^step 6: NaN or infinity in the loss of 2 microbatches \(computed on stage 3\) "
+                                             r"and in the gradient of stages 1, 3; the update of stages 1, 3 was not applied"):
         guard.review(6, _Stats(losses=2, stages=[1, 3], skipped=(0, 1, 0, 1)))
 
 

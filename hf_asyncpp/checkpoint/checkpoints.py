@@ -85,11 +85,20 @@ def _first_cause(err: CheckpointException) -> BaseException:
     return err
 
 
+def _report(failure: BaseException, final: Path) -> str:
+    """The failure, with the free space where the checkpoint goes: a full disk then shows even when
+    the failing writer lost the errno (torch.save's zip writer says only "unexpected pos")."""
+    report = f"{type(failure).__name__}: {failure}"
+    try:
+        return f"{report}; {shutil.disk_usage(final.parent).free} bytes free on its file system"
+    except OSError:
+        return report
+
+
 def _agree(layout, final: Path, failure: BaseException | None) -> None:
     """Every rank learns whether any rank's part of the save failed, and raises the same error."""
     reports = [None] * layout.world_size
-    dist.all_gather_object(reports, None if failure is None else f"{type(failure).__name__}: {failure}",
-                           group=layout.io_group)
+    dist.all_gather_object(reports, None if failure is None else _report(failure, final), group=layout.io_group)
     failed = [(rank, report) for rank, report in enumerate(reports) if report]
     if failed:
         rank, report = failed[0]
