@@ -52,7 +52,7 @@ def _data(tmp_path, drop_minibatch: int | None = None):
 
 
 def _train(tmp_path, out, data, schedule, *extra, fault: dict | None = None):
-    command = ["torchrun", "--nproc_per_node", "2", "tests/faults.py", "--model_config", str(tmp_path / "model"),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/faults.py", "--model_config", str(tmp_path / "model"),
                "--dataset", str(data), "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches",
                str(M), "--pp_size", "2", "--schedule", schedule, "--optimizer", "adamw", "--learning_rate", "3e-3",
                "--lr_scheduler_type", "constant", "--shuffle", "false", "--max_steps", str(STEPS), "--logging_steps",

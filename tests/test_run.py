@@ -104,7 +104,7 @@ def _check_run(out, expected_losses, reference_model, n_ranks, delay=0):
 
 LAUNCHERS = {
     "accelerate": (["accelerate", "launch", "--config_file", "training_scripts/accelerate/cpu_2proc.yaml"], "1f1b"),
-    "torchrun": (["torchrun", "--nproc_per_node", "2"], "interleaved-1f1b"),
+    "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], "interleaved-1f1b"),
 }
 
 
@@ -176,7 +176,7 @@ def test_pipedream_2bw_run_follows_the_one_step_delayed_recursion(tmp_path, laun
     out = tmp_path / "run"
     args = [*TRAIN, *_overrides(tmp_path, out), "--schedule", "pipedream-2bw", "--max_grad_norm", "0"]
     if launch.startswith("torchrun"):
-        cmd = ["torchrun", "--nproc_per_node", "2", *args, "--pp_size", "2"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args, "--pp_size", "2"]
     else:
         cmd = [sys.executable, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def corpus(tmp_path_factory):
 
 
 def _trainer_run(corpus, out, *extra, env=None, **settings):
-    command = ["torchrun", "--nproc_per_node", "2", "tests/trainer_script.py", str(out), str(corpus / "model"),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/trainer_script.py", str(out), str(corpus / "model"),
                str(corpus / "train.jsonl"), str(corpus / "eval.jsonl"), *extra]
     for key, value in {**TRAINER_SETTINGS, **settings}.items():
         command += [f"--{key}", json.dumps(value)]
@@ -74,7 +75,7 @@ def test_the_trainer_and_train_py_share_one_engine_and_a_trainer_run_resumes_and
         straight = _trainer_run(corpus, tmp_path / "trainer", "--push", env=hub_env,
                                 hub_model_id="team/tiny-async")["log_history"]
     # train.py on the same config and data
-    command = ["torchrun", "--nproc_per_node", "2", "training_scripts/train.py", "--model_config",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "training_scripts/train.py", "--model_config",
                str(corpus / "model"), "--dataset", str(corpus / "train.jsonl"), "--eval_dataset",
                str(corpus / "eval.jsonl"), "--output_dir", str(tmp_path / "script")]
     for key, value in SCRIPT_SETTINGS.items():
@@ -251,7 +252,7 @@ def test_a_sigterm_to_one_process_checkpoints_every_process_and_train_exits_0(co
     reads at the end of step 4: all save checkpoint-4 and exit 0 from train() without running on to the
     export; resuming finishes the run."""
     out = tmp_path / "preempted"
-    command = ["torchrun", "--nproc_per_node", "2", "tests/trainer_script.py", str(out), str(corpus / "model"),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/trainer_script.py", str(out), str(corpus / "model"),
                str(corpus / "train.jsonl"), str(corpus / "eval.jsonl"), "--sigterm_at", "2"]
     for key, value in {**TRAINER_SETTINGS, "eval_strategy": "no", "save_steps": 0}.items():
         command += [f"--{key}", json.dumps(value)]

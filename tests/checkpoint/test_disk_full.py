@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -30,7 +31,7 @@ SEQ, MBS, M = 16, 2, 4
 
 
 def _command(tmp_path, out, *extra):
-    return ["torchrun", "--nproc_per_node", "2", "training_scripts/train.py", "--config",
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "training_scripts/train.py", "--config",
             "training_scripts/configs/tiny_moe.yaml", "--model_config", str(tmp_path / "model"), "--dataset",
             str(tmp_path / "data.jsonl"), "--seq_len", str(SEQ), "--micro_batch_size", str(MBS),
             "--n_microbatches", str(M), "--pp_size", "2", "--schedule", "1f1b", "--max_steps", "6",
