@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
