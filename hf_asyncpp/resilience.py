@@ -10,7 +10,7 @@ receive):
     backward); the policy then stops the run, or lets it continue up to a number of skipped steps;
   - a termination request (SIGTERM, `TerminationRequest`): the run saves a checkpoint and ends cleanly;
   - a rank that died or stalled: the others' next message times out (`comm_timeout_s`) or fails at
-    once (a closed connection), and `peer_lost` turns that into a `PeerLostError`.
+    once (a closed connection), and `lost_peers_reported` turns that into a `PeerLostError`.
 
 The first two travel in each step's statistics all-reduce (metrics.ReducedStepStats) and are read one
 step later, when that reduction has long finished: no rank waits for another to decide.
@@ -23,7 +23,7 @@ import contextlib
 import signal
 
 __all__ = ["NONFINITE_POLICIES", "LocalFailure", "NonFiniteError", "NonFiniteGuard", "PeerLostError", "RunFailure",
-           "TerminationRequest", "first_nonfinite", "is_communication_error", "peer_lost"]
+           "TerminationRequest", "first_nonfinite", "lost_peers_reported"]
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -58,7 +58,7 @@ def first_nonfinite(named_tensors) -> str | None:
     return None
 
 
-def is_communication_error(err: BaseException) -> bool:
+def _is_communication_error(err: BaseException) -> bool:
     """Whether `err` is a collective or point-to-point operation that failed (timeout, closed peer)."""
     import torch.distributed as dist
 
@@ -67,11 +67,19 @@ def is_communication_error(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and any(s in text for s in ("gloo", "by peer", "Timed out")))
 
 
-def peer_lost(err: BaseException, rank: int, timeout_s: float) -> PeerLostError:
-    return PeerLostError(
-        f"rank {rank} lost contact with the other ranks: {str(err).strip().splitlines()[0]} — another rank died or "
-        f"did not answer within comm_timeout_s ({timeout_s:g} s). Complete checkpoints are kept; rerun with "
-        "resume_from_checkpoint: latest to continue from the newest one")
+@contextlib.contextmanager
+def lost_peers_reported(rank: int, timeout_s: float):
+    """Inside: a message or collective that failed (a dead or stalled peer) surfaces as PeerLostError
+    saying so, instead of the backend's own error. Both front ends run the pipeline inside it."""
+    try:
+        yield
+    except Exception as err:
+        if not _is_communication_error(err):
+            raise
+        raise PeerLostError(
+            f"rank {rank} lost contact with the other ranks: {str(err).strip().splitlines()[0]} — another rank "
+            f"died or did not answer within comm_timeout_s ({timeout_s:g} s). Complete checkpoints are kept; "
+            "rerun with resume_from_checkpoint: latest to continue from the newest one") from err
 
 
 class NonFiniteGuard:

@@ -61,32 +61,31 @@ def train(config, model_config, launch) -> dict:
     from .engine import PipelineEngine
     from .loop import TrainingLoop, main_process_first
     from .parallel.mesh import init_parallel, shutdown_parallel
-    from .resilience import LocalFailure, RunFailure, is_communication_error, peer_lost
+    from .resilience import LocalFailure, PeerLostError, RunFailure, lost_peers_reported
 
     _set_threads(config, launch)
     layout = init_parallel(launch, config.pp_size, config.comm_timeout_s)
     peers_alive = True
     try:
-        tokenizer = load_tokenizer(config.tokenizer)
-        with main_process_first(layout):
-            data = training_data(config, tokenizer, layout.dp_rank, layout.dp_size)
-        engine = PipelineEngine(config, model_config, layout)
-        loop = TrainingLoop(config, model_config, layout, engine, data, tokenizer)
-        if config.resume_from_checkpoint:
-            loop.resume(config.resume_from_checkpoint)
-        record = loop.run()
-        if loop.terminated_at is not None:
-            return dict(record, terminated_at=loop.terminated_at)
-        if config.save_final:
-            out = loop.export(Path(config.output_dir) / "final", config.hub_model_id)
-            if layout.is_main and config.push_to_hub:
-                record["push_error"] = _push(out, config.hub_model_id)
-        return record
+        with lost_peers_reported(layout.rank, config.comm_timeout_s):
+            tokenizer = load_tokenizer(config.tokenizer)
+            with main_process_first(layout):
+                data = training_data(config, tokenizer, layout.dp_rank, layout.dp_size)
+            engine = PipelineEngine(config, model_config, layout)
+            loop = TrainingLoop(config, model_config, layout, engine, data, tokenizer)
+            if config.resume_from_checkpoint:
+                loop.resume(config.resume_from_checkpoint)
+            record = loop.run()
+            if loop.terminated_at is not None:
+                return dict(record, terminated_at=loop.terminated_at)
+            if config.save_final:
+                out = loop.export(Path(config.output_dir) / "final", config.hub_model_id)
+                if layout.is_main and config.push_to_hub:
+                    record["push_error"] = _push(out, config.hub_model_id)
+            return record
     except Exception as err:
         # Raised by every rank at the same point: they can still meet at the final barrier.
-        peers_alive = isinstance(err, RunFailure) and not isinstance(err, LocalFailure)
-        if is_communication_error(err):
-            raise peer_lost(err, layout.rank, config.comm_timeout_s) from err
+        peers_alive = isinstance(err, RunFailure) and not isinstance(err, (LocalFailure, PeerLostError))
         raise
     finally:
         shutdown_parallel(peers_alive)

@@ -242,7 +242,7 @@ class AsyncPPTrainer(Trainer):
         newest complete checkpoint in output_dir, or a checkpoint directory. A SIGTERM makes every
         process save a checkpoint at the next step boundary and exit with status 0 (SystemExit)."""
         from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
-        from .resilience import is_communication_error, peer_lost
+        from .resilience import lost_peers_reported
 
         if self._trained:
             raise RuntimeError("this AsyncPPTrainer has trained already; build a new one to train again")
@@ -265,12 +265,8 @@ class AsyncPPTrainer(Trainer):
         state.num_train_epochs = math.ceil(loop.end_step / self.steps_per_epoch) if self.steps_per_epoch < math.inf else 0
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         start = time.time()
-        try:
+        with lost_peers_reported(loop.layout.rank, loop.config.comm_timeout_s):  # as train.py reports it
             loop.run()
-        except Exception as err:
-            if is_communication_error(err):  # a dead or stalled peer: say so, as train.py does
-                raise peer_lost(err, loop.layout.rank, loop.config.comm_timeout_s) from err
-            raise
         self._trained = True
         if loop.terminated_at is not None:  # SIGTERM: the checkpoint is saved; the process ends as asked
             raise SystemExit(0)
