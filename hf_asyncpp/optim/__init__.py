@@ -31,7 +31,7 @@ def build_optimizer(name: str, named_params, learning_rate: float, momentum: flo
             params, lr=learning_rate, betas=(momentum, beta2), weight_decay=weight_decay, fused=True
         )
     if name == "muon":
-        groups = muon_param_groups(named_params, *([muon_adamw_patterns] if muon_adamw_patterns is not None else []))
+        groups = muon_param_groups(named_params, muon_adamw_patterns)
         return Muon(groups, lr=learning_rate, weight_decay=weight_decay, momentum=momentum,
                     nesterov=muon_nesterov, adjust_lr_fn=muon_lr_scale, betas=(momentum, beta2))
     if name == "soap":

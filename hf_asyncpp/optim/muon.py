@@ -9,7 +9,8 @@ Embeddings, lm_head, norms, biases and routers take AdamW (which parameters is d
 matrix: under FSDP2 a shard is not a matrix, so the (sharded) momentum is gathered, every dp rank
 orthogonalises the same whole matrix, and each keeps its own rows of the result (whole_tensor.py).
 Fused expert tensors are sharded over their first dimension, the experts: a rank's shard is whole
-expert matrices, which it orthogonalises alone — no gather, 1/dp of the work.
+expert matrices, which it orthogonalises alone — no gather, 1/dp of the work (none at all on a
+rank left without experts when there are fewer experts than dp ranks).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def orthogonalize(update: torch.Tensor, ns_steps: int = 5) -> torch.Tensor:
     coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
     if update.ndim == 2:
         return _zeropower_via_newtonschulz(update, coefficients, ns_steps, EPS)
-    return torch.stack([_zeropower_via_newtonschulz(m, coefficients, ns_steps, EPS) for m in update])
+    # Filled in place, not stacked: a dp rank's shard may hold no expert (fewer experts than ranks).
+    result = torch.empty_like(update, dtype=torch.bfloat16)  # the iteration's own dtype
+    for expert, matrix in enumerate(update):
+        result[expert] = _zeropower_via_newtonschulz(matrix, coefficients, ns_steps, EPS)
+    return result
 
 
 def _orthogonalized(update: torch.Tensor, like: torch.Tensor, ns_steps: int) -> torch.Tensor:

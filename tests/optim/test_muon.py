@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from hf_asyncpp.models.presets import build_config
 from hf_asyncpp.optim import build_optimizer
 from hf_asyncpp.optim.muon import Muon, orthogonalize
-from hf_asyncpp.optim.param_groups import names_by_group
 from hf_asyncpp.parallel.spawn import run_ranks
+from tests.optim.model_sharded_vs_whole import compare_model_sharded_to_whole
 from tests.optim.sharded_vs_whole import compare_sharded_to_whole
 
 
@@ -43,15 +43,10 @@ def test_fused_experts_are_orthogonalised_one_expert_at_a_time():
     assert singular.min() > 0.3 and singular.max() < 1.7
 
 
-def test_embeddings_head_norms_biases_and_routers_take_adamw():
-    model = AutoModelForCausalLM.from_config(build_config("tiny-gpt-oss", num_hidden_layers=1))
-    groups = names_by_group(model.named_parameters())
-    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-            "model.layers.0.mlp.router.weight", "model.layers.0.mlp.router.bias"} <= set(groups["adamw"])
-    assert "model.layers.0.self_attn.q_proj.weight" in groups["muon"]
-    assert "model.layers.0.mlp.experts.gate_up_proj" in groups["muon"]  # fused (E, H, 2I): per expert
-    mixtral = AutoModelForCausalLM.from_config(build_config("tiny-mixtral", num_hidden_layers=1))
-    assert "model.layers.0.mlp.gate.weight" in names_by_group(mixtral.named_parameters())["adamw"]
+def test_a_rank_holding_no_expert_orthogonalises_an_empty_stack():
+    """With fewer experts than dp ranks, some ranks' Shard(0) of a fused expert tensor is (0, A, B)."""
+    empty = orthogonalize(torch.zeros(0, 6, 4))
+    assert empty.shape == (0, 6, 4) and empty.dtype == orthogonalize(torch.ones(1, 6, 4)).dtype
 
 
 def test_the_whole_model_steps_with_muon():
@@ -76,6 +71,24 @@ def test_on_dp_shards_muon_orthogonalises_the_whole_matrix_and_keeps_its_momentu
         for report in reports:
             assert report["max_diff"] == 0.0 and report["moved"] > 0.01, report
             assert report["exp_avg_is_dtensor"] and 2 * report["exp_avg_local"] == report["numel"], report
+
+
+@pytest.mark.multirank
+def test_with_fewer_experts_than_dp_ranks_every_rank_steps_like_the_unsharded_model():
+    """GPT-OSS with one expert on 2 dp ranks: rank 1 holds no expert rows (nor router or expert-bias
+    rows). FSDP2 and shard_parameters, 3 Muon steps, must equal the unsharded model bitwise: both
+    ranks see the same batch, so FSDP2's dp mean (g/2 + g/2) is exactly the whole gradient; momentum
+    and AdamW are elementwise on slices; each expert's bf16 Newton–Schulz is the same computation on
+    the same input whichever rank runs it."""
+    overrides = dict(num_hidden_layers=1, vocab_size=64, hidden_size=32, intermediate_size=48, head_dim=8,
+                     num_local_experts=1, num_experts_per_tok=1)
+    reports = run_ranks(2, compare_model_sharded_to_whole, "muon", "tiny-gpt-oss", overrides, 3, timeout_s=300)
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert [r[experts]["local_rows"] for r in reports] == [1, 0]
+    for report in reports:
+        for name, diffs in report.items():
+            assert diffs["fsdp"] == 0.0 and diffs["shard_parameters"] == 0.0, (name, diffs)
+        assert report[experts]["moved"] > 0.01
 
 
 def test_orthogonalising_a_row_shard_instead_of_the_whole_matrix_is_wrong():
