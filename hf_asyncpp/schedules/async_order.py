@@ -7,17 +7,19 @@ use global microbatch ids j = k·m + i; the runtime maps them to torch's per-sta
 j mod (2m). A stage updates after the backward of each minibatch's last microbatch, or after every
 backward; the new weights are version v = number of the stage's updates so far, held in buffer
 v mod n_buffers.
-`stream` concatenates the segments of n_steps steps, which is what one-process validation checks
-(sends, receives, F before B, no deadlock) together with `check_versions`.
+`stream` concatenates the segments of n_steps steps; `SegmentPrograms` plans each segment's
+communication (comm_plan.py) on one rank, which is what the runtime executes and what one-process
+validation plays for every rank (validate.check_program), together with `check_versions`.
 """
 
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import FORWARD, _Action
+from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 
+from .comm_plan import CommPlanner, P2PBatch
 from .validate import ScheduleError
 
-__all__ = ["AsyncOrder", "check_versions", "replay_after"]
+__all__ = ["AsyncOrder", "SegmentPrograms", "check_versions", "replay_after"]
 
 
 class AsyncOrder:
@@ -40,9 +42,20 @@ class AsyncOrder:
         """The update unit microbatch j belongs to: its minibatch, or itself with per-microbatch updates."""
         return j if self.per_microbatch_updates else j // n_microbatches
 
+    def updates_after(self, action: _Action, n_microbatches: int) -> bool:
+        """Whether the stage updates right after this action: a backward that ends its update unit."""
+        return action.computation_type != FORWARD and (
+            self.per_microbatch_updates or action.microbatch_index % n_microbatches == n_microbatches - 1)
+
     def version(self, stage: int, pp_size: int, j: int, n_microbatches: int) -> int:
         """The weight version microbatch j runs on (forward and backward): its unit − delay, from 0."""
         return max(self.unit(j, n_microbatches) - self.delay(stage, pp_size, n_microbatches), 0)
+
+    def n_slots(self, pp_size: int, n_microbatches: int) -> int:
+        """torch's chunk buffers per stage: microbatch j uses j mod n_slots. The microbatch ids in
+        flight on a stage span less than m + p (2m for 2BW-like orders); receives posted ahead of
+        need (comm_plan.py) must still find their buffer free, which the planner checks."""
+        return max(2 * n_microbatches, n_microbatches + pp_size + 1)
 
     def buffer(self, stage: int, pp_size: int, version: int, n_microbatches: int) -> int:
         return version % self.n_buffers(stage, pp_size, n_microbatches)
@@ -82,7 +95,7 @@ def check_versions(order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps
                 raise ScheduleError(f"{where}: backward of {j} is not on its forward's version")
             if done - version > delay or (version > 0 and done - version != delay):
                 raise ScheduleError(f"{where}: the gradient of {j} is {done - version} updates old, not {delay}")
-            if order.per_microbatch_updates or j % m == m - 1:
+            if order.updates_after(action, m):
                 updates[stage] = done + 1
                 written = order.buffer(stage, pp_size, done + 1, m)
                 clash = sorted(i for (s, i), v in bound.items() if s == stage and order.buffer(s, pp_size, v, m) == written)
@@ -107,10 +120,8 @@ def replay_after(order: AsyncOrder, pp_size: int, n_microbatches: int, step: int
     before = {r: [a for k in range(step + 1) for a in order.segment(r, pp_size, m, k, n_steps)] for r in range(pp_size)}
     stages = {a.stage_index for ops in before.values() for a in ops}
 
-    def updates(a: _Action) -> bool:
-        return a.computation_type != FORWARD and (order.per_microbatch_updates or a.microbatch_index % m == m - 1)
-
-    updated = {(a.stage_index, order.unit(a.microbatch_index, m)) for ops in before.values() for a in ops if updates(a)}
+    updated = {(a.stage_index, order.unit(a.microbatch_index, m)) for ops in before.values() for a in ops
+               if order.updates_after(a, m)}
     started = {order.unit(a.microbatch_index, m) for ops in before.values() for a in ops}
     finished = {u for u in started if all((s, u) in updated for s in stages)}
     straddling = sorted({u for _, u in updated} - finished)
@@ -120,3 +131,65 @@ def replay_after(order: AsyncOrder, pp_size: int, n_microbatches: int, step: int
             "others; a run cannot resume at this step boundary by replay"
         )
     return {r: [a for a in ops if order.unit(a.microbatch_index, m) not in finished] for r, ops in before.items()}
+
+
+class SegmentPrograms:
+    """The programs of an asynchronous run, one step (segment) at a time, for the ranks in `keep`.
+
+    Every rank plays all ranks' continuous orders (comm_plan.CommPlanner), generated lazily: what a
+    rank replays after a resume (`replay`, per rank), then its segments from `start_step` on, each
+    backward that ends an update unit followed by the stage's update (a REDUCE_GRAD action naming
+    that microbatch: the dp reduction and optimizer step, after the gradient has been sent on).
+    `n_steps` may be lowered between steps (an early stop): the plan is then replayed from its start
+    with the new last step, and must agree with what already ran."""
+
+    def __init__(self, order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps: int, stage_to_rank,
+                 n_stages: int, start_step: int = 0, replay: dict[int, list[_Action]] | None = None, keep=None):
+        self.order, self.pp_size, self.m = order, pp_size, n_microbatches
+        self.stage_to_rank, self.n_stages, self.keep = stage_to_rank, n_stages, keep
+        self._n_steps, self._start, self._replay = n_steps, start_step, replay or {}
+        self._planned: dict[int, list] = {}  # rank → programs handed out, in step order
+        self._planner = self._new_planner()
+
+    def _new_planner(self) -> CommPlanner:
+        self._generated: dict[int, int] = {}  # rank → last segment generated for the plan
+        return CommPlanner(range(self.pp_size), self._actions_of, self.stage_to_rank, self.n_stages,
+                           self.order.n_slots(self.pp_size, self.m), self.keep)
+
+    def _actions_of(self, rank: int):
+        for action in self._replay.get(rank, []):
+            yield from self._with_update(self._start, action)
+        step = self._start
+        while step < self._n_steps:
+            self._generated[rank] = step
+            for action in self.order.segment(rank, self.pp_size, self.m, step, self._n_steps):
+                yield from self._with_update(step, action)
+            step += 1
+
+    def _with_update(self, step: int, action: _Action):
+        yield step, action
+        if self.order.updates_after(action, self.m):
+            yield step, _Action(action.stage_index, REDUCE_GRAD, action.microbatch_index)
+
+    @property
+    def n_steps(self) -> int:
+        return self._n_steps
+
+    @n_steps.setter
+    def n_steps(self, n_steps: int) -> None:
+        changed = min(n_steps, self._n_steps) - 1  # the first segment that differs
+        self._n_steps = n_steps
+        if any(k >= changed for k in self._generated.values()):
+            planned, self._planned = self._planned, {}
+            self._planner = self._new_planner()
+            for rank, programs in planned.items():
+                for step, program in enumerate(programs, start=self._start):
+                    if self.program(rank, step) != program:
+                        raise RuntimeError(f"the run cannot end after {n_steps} steps: rank {rank}'s step {step} "
+                                           "already ran a program that differs")
+
+    def program(self, rank: int, step: int) -> list[_Action | P2PBatch]:
+        """Rank `rank`'s program for step `step` (call for consecutive steps from `start_step`)."""
+        program = self._planner.program(rank, step)
+        self._planned.setdefault(rank, []).append(program)
+        return program

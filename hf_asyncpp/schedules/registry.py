@@ -13,9 +13,9 @@ from functools import partial
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
-from .async_order import AsyncOrder, check_versions
+from .async_order import AsyncOrder, SegmentPrograms, check_versions
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW
-from .validate import ScheduleError, check_schedule, lower_in_order
+from .validate import ScheduleError, check_schedule
 from .wpipe import WPIPE
 
 # Asynchronous orders are checked over this many consecutive steps: the first, a middle and the last.
@@ -46,23 +46,27 @@ class ScheduleSpec:
         return [rank + k * pp_size for k in range(self.stages_per_rank)]
 
     def actions(self, pp_size: int, n_microbatches: int) -> ComputeActions:
-        """The compute lists, checked in one process; raises ScheduleError or ValueError.
+        """The compute lists, checked in one process with the communication the runtime posts for
+        them (validate.py); raises ScheduleError or ValueError.
 
         For an asynchronous schedule: VALIDATION_STEPS steps of its continuous order (global
-        microbatch ids), checked with the lowering its runtime uses, and its weight versions."""
+        microbatch ids), each segment planned as its runtime plans it, and its weight versions."""
         if self.order is None:
             actions = self.make_actions(pp_size, n_microbatches)
             check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches)
             return actions
         actions = self.order.stream(pp_size, n_microbatches, VALIDATION_STEPS)
-
-        def lower_as_run(ops, stage_to_rank, n_stages):
-            # Sends never block the runtime; only the end of training waits for them (None).
-            return lower_in_order(ops, stage_to_rank, n_stages) + [None]
-
-        check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches * VALIDATION_STEPS, lower=lower_as_run)
+        check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches * VALIDATION_STEPS,
+                       plan=partial(self.programs, pp_size, n_microbatches, VALIDATION_STEPS))
         check_versions(self.order, pp_size, n_microbatches, VALIDATION_STEPS)
         return actions
+
+    def programs(self, pp_size: int, n_microbatches: int, n_steps: int, stage_to_rank) -> dict:
+        """Every rank's program for n_steps steps of an asynchronous order, segment by segment as the
+        runtime plans them, ending where `finish()` waits for the last sends."""
+        n_stages = self.n_stages(pp_size)
+        plan = SegmentPrograms(self.order, pp_size, n_microbatches, n_steps, stage_to_rank, n_stages)
+        return {r: [e for k in range(n_steps) for e in plan.program(r, k)] + [None] for r in range(pp_size)}
 
     def check_microbatches(self, pp_size: int, n_microbatches: int) -> None:
         """Raise ValueError when this schedule cannot run n_microbatches on pp_size ranks."""

@@ -1,42 +1,160 @@
-"""Build the torch runtime that executes a registered schedule on this rank's stages."""
+"""Executing a rank's program (comm_plan.py) with torch's action-list runtime.
+
+torch's `_PipelineScheduleRuntime` runs the compute actions (forward, backward, loss, FSDP unshard /
+reshard / gradient reduction); the sends and receives are ours: each `P2PBatch` of the program is
+posted as one `batch_isend_irecv` (one NCCL group) when torch reaches its first operation, and the
+receives' works are handed to torch, which waits for them before the compute that needs them. Every
+message goes untagged (tag 0): on gloo it is then matched by posting order per pair of ranks, as NCCL
+matches it, so what runs on CPU is what would run on GPUs.
+
+`ActionListSchedule` runs a synchronous schedule: one flushed step per call, waiting for its sends
+at the end. The asynchronous runtime (async_runtime.py) builds on `ProgramRuntime` too.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action, _add_unshard_reshard, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    FULL_BACKWARD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    _Action,
+    _add_reduce_grad,
+    _add_unshard_reshard,
+    _PipelineScheduleRuntime,
+)
 
+from .comm_plan import P2PBatch, is_compute, plan_program
 from .registry import ScheduleSpec
-from .validate import lower_with_comms
 
-__all__ = ["ActionListSchedule", "build_eval_schedule", "build_schedule"]
+__all__ = ["ActionListSchedule", "ProgramRuntime", "build_eval_schedule", "build_schedule"]
+
+_COMMS = (SEND_F, SEND_B, RECV_F, RECV_B)
 
 
-class ActionListSchedule(_PipelineScheduleRuntime):
-    """torch's action-list runtime fed with our checked compute lists (comms added by torch).
+class ProgramRuntime(_PipelineScheduleRuntime):
+    """torch's runtime fed with programs whose P2P batches this class posts."""
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, scale_grads: bool):
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        # torch dispatches any action type found here to the function (register_custom_function
+        # refuses communication types, its dispatch does not: pinned in test_torch_internals.py).
+        for kind in _COMMS:
+            self._comp_type_to_function_map[kind] = self._post_batch_at_first_op
+        self._stage_by_index = {stage.stage_index: stage for stage in stages}
+        self._batches: deque[tuple[_Action, ...]] = deque()  # this call's batches, in program order
+        self._ops_left_in_batch = 0
+        self._send_works: list[_PostedBatch] = []  # posted batches holding sends, not yet known complete
+
+    def _lowered(self, program, slot: Callable[[int], int] = lambda j: j) -> tuple[list[_Action], list[tuple]]:
+        """(torch's action list for `program`, its batches): a batch's operations stand in the list
+        where it is posted; microbatch ids become torch's chunk ids (`slot`)."""
+        flat, batches = [], []
+        for entry in program:
+            if entry is None:  # waiting for the sends: at the end of a step, or in finish()
+                continue
+            ops = entry.ops if isinstance(entry, P2PBatch) else (entry,)
+            ops = tuple(_Action(a.stage_index, a.computation_type, slot(a.microbatch_index))
+                        if is_compute(a) or a.computation_type in _COMMS else a for a in ops)
+            if isinstance(entry, P2PBatch):
+                batches.append(ops)
+            flat += ops
+        return flat, batches
+
+    def _run_program(self, flat: list[_Action], batches: list[tuple], *args, **kwargs):
+        self.pipeline_order_with_comms = {self.rank: flat}
+        self._batches, self._ops_left_in_batch = deque(batches), 0
+        return super()._step_microbatches(*args, **kwargs)
+
+    def _post_batch_at_first_op(self, action: _Action, ctx) -> None:
+        if self._ops_left_in_batch:
+            self._ops_left_in_batch -= 1
+            return
+        ops = self._batches.popleft()
+        if action != ops[0]:
+            raise RuntimeError(f"program out of step: reached {action}, the next batch starts with {ops[0]}")
+        self._ops_left_in_batch = len(ops) - 1
+        p2p = []
+        for op in ops:
+            stage = self._stage_by_index[op.stage_index]
+            make = {SEND_F: stage.get_fwd_send_ops, SEND_B: stage.get_bwd_send_ops,
+                    RECV_F: stage.get_fwd_recv_ops, RECV_B: stage.get_bwd_recv_ops}[op.computation_type]
+            p2p += make(op.microbatch_index)
+        posted = _PostedBatch(dist.batch_isend_irecv(p2p) if p2p else [])
+        # NCCL returns one work for a whole group: a compute waits for its receive's whole batch.
+        for op in ops:
+            if op.computation_type == RECV_F:
+                self.fwd_recv_ops[(op.stage_index, op.microbatch_index)] = [posted]
+            elif op.computation_type == RECV_B:
+                self.bwd_recv_ops[(op.stage_index, op.microbatch_index)] = [posted]
+        if any(op.computation_type in (SEND_F, SEND_B) for op in ops):
+            self._send_works.append(posted)
+
+    def wait_for_sends(self) -> None:
+        while self._send_works:
+            self._send_works.pop().wait()
+
+    def forget_completed_sends(self) -> None:
+        self._send_works = [posted for posted in self._send_works if not posted.is_completed()]
+
+
+class _PostedBatch:
+    """The works of one posted batch, waited for once however many receives share them (waiting
+    twice for a gloo receive waits for a second message)."""
+
+    def __init__(self, works: list):
+        self._works, self._waited = works, False
+
+    def wait(self) -> bool:
+        if not self._waited:
+            for work in self._works:
+                work.wait()
+            self._waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited or all(work.is_completed() for work in self._works)
+
+
+def _fsdp_lowered(actions, n_microbatches: int):
+    """torch's FSDP passes: gather a stage before its first compute, release it after its last, reduce
+    its gradient after its last backward."""
+    return {r: _add_reduce_grad(_add_unshard_reshard([a for a in ops if a is not None]), n_microbatches)
+            for r, ops in actions.items()}
+
+
+class ActionListSchedule(ProgramRuntime):
+    """A synchronous schedule: our checked compute lists, planned (comm_plan.py) and run by torch.
 
     `eval()` (forward only, e.g. validation loss or logits) runs the same lists with every backward
-    removed: each rank keeps its forwards in the training order, so the lowered program stays
-    deadlock-free, and the stages are the same objects, so torch's train ↔ eval switch applies.
-    Sharded stages get torch's UNSHARD / RESHARD actions around their compute, as in training.
-    """
+    removed: each rank keeps its forwards in the training order, so its program stays deadlock-free,
+    and the stages are the same objects, so torch's train ↔ eval switch applies."""
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, actions,
                  spec: ScheduleSpec | None):
-        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=True)
         self.spec = spec
         self.pipeline_order = actions
-        self._prepare_schedule_with_comms(actions)
-        self._train_order = self.pipeline_order_with_comms
-        # FSDP stages (parallel/fsdp.py) are gathered before their first forward and released after.
-        forward_only = {r: _add_unshard_reshard([a for a in ops if a is not None and a.computation_type == FORWARD])
-                        for r, ops in actions.items()}
-        self._eval_order = lower_with_comms(forward_only, self.stage_index_to_group_rank.__getitem__, self._num_stages)
+        self._validate_and_set_stage_mapping(actions)
+        stage_to_rank = self.stage_index_to_group_rank.__getitem__
+        forward_only = {r: [a for a in ops if a is not None and a.computation_type == FORWARD] for r, ops in actions.items()}
+        self._train = self._lowered(plan_program(_fsdp_lowered(actions, n_microbatches), stage_to_rank,
+                                                 self._num_stages)[self.rank])
+        self._eval = self._lowered(plan_program({r: _add_unshard_reshard(ops) for r, ops in forward_only.items()},
+                                                stage_to_rank, self._num_stages)[self.rank])
 
     def _step_microbatches(self, *args, **kwargs):
-        self.pipeline_order_with_comms = self._train_order if self._has_backward else self._eval_order
-        return super()._step_microbatches(*args, **kwargs)
+        try:
+            return self._run_program(*(self._train if self._has_backward else self._eval), *args, **kwargs)
+        finally:
+            self.wait_for_sends()
 
 
 def build_schedule(spec: ScheduleSpec, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
@@ -49,8 +167,8 @@ def build_eval_schedule(stages: list[PipelineStage], n_microbatches: int, loss_f
     microbatches of one before the next) for stages placed in a loop, stage s on rank s mod pp.
 
     Asynchronous pipelines evaluate through it: their training runtime never finishes a step with an
-    empty pipeline, so evaluation runs beside it, on its own PipelineStage objects, with untagged
-    messages that cannot match the training runtime's tagged ones (async_runtime.py)."""
+    empty pipeline, so evaluation runs beside it, on its own PipelineStage objects built on their
+    own process group: no message of it can meet one of training's in flight."""
     pp_size, n_stages = stages[0].group_size, stages[0].num_stages
     local = {r: list(range(r, n_stages, pp_size)) for r in range(pp_size)}
     # torch checks a full training order; its backwards (GPipe's, reversed) are never run.

@@ -1,20 +1,28 @@
-"""One-process checks of a schedule's action lists, run before any process group exists.
+"""One-process checks of a schedule, run before any process group exists.
 
-`check_schedule` lowers the compute lists with torch's own pass (`_add_send_recv`, the one the
-runtime uses) and then plays all ranks against each other:
+`check_schedule` validates the compute lists, plans their communication (comm_plan.py, the plan the
+runtime executes) and plays every rank's program against the others under NCCL's rules
+(`check_program`):
   - torch's `_validate_schedule`: each microbatch forwarded and backwarded once per stage, F before B,
-    I before W, every stage on one rank;
-  - every send has its receive and every receive its send (same stage, microbatch, direction);
-  - data dependencies: stage s forwards microbatch i only after stage s−1 did, and backwards it
-    only after stage s+1 did (through a receive, or earlier on the same rank);
-  - no deadlock: receives block until the matching send has run; the play must finish
-    (torch's lowering already refuses most orders that would hang; both are reported the same way);
-  - stage and microbatch indices in range, and no compute op run twice.
+    I before W, every stage on one rank; stage and microbatch indices in range, no compute run twice;
+  - matching by posting order, not by tag: for each ordered pair of ranks, the k-th send is matched
+    to the k-th receive, and both must carry the same message (kind, stage, microbatch) — under NCCL
+    a mismatch is no error but a wrong tensor;
+  - streams: the P2P operations a rank posts for one peer run in posting order (`streams="pair"`, one
+    stream per pair of ranks as NCCL gives each pair its own; `"rank"`: one stream for all of a rank's
+    peers, the stricter case of a communicator shared by all pairs); a batch starts when it is at the
+    head of each of its streams, and its operations progress together;
+  - rendezvous: a send completes only together with its receive, once both have started; a compute
+    waits for the batch holding its receive, a `None` entry for every send its rank posted;
+  - data dependencies: a send only after the compute that produces it; stage s forwards microbatch i
+    only after stage s−1 did, backwards it only after stage s+1 did;
+  - the play must finish: otherwise a deadlock, with what each stuck rank waits for.
 Any failure raises `ScheduleError` with the rank × time table, the offending step marked.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from torch.distributed.pipelining.schedules import (
@@ -26,14 +34,14 @@ from torch.distributed.pipelining.schedules import (
     SEND_B,
     SEND_F,
     _Action,
-    _add_send_recv,
     _format_pipeline_order,
     _validate_schedule,
 )
 
 from .actions import ComputeActions
+from .comm_plan import P2PBatch, PlanError, Program, is_compute, matching_receive, peer_of, plan_program
 
-__all__ = ["ScheduleError", "check_schedule", "lower_in_order", "lower_with_comms"]
+__all__ = ["ScheduleError", "check_program", "check_schedule"]
 
 _BACKWARDS = (FULL_BACKWARD, BACKWARD_INPUT)
 
@@ -42,39 +50,8 @@ class ScheduleError(AssertionError):
     pass
 
 
-def lower_with_comms(actions: ComputeActions, stage_to_rank: Callable[[int], int], n_stages: int):
-    compute_only = {r: [a for a in ops if a is not None] for r, ops in actions.items()}
-    return _add_send_recv(compute_only, stage_to_rank=stage_to_rank, num_stages=n_stages)
-
-
-def lower_in_order(ops: list[_Action], stage_to_rank: Callable[[int], int], n_stages: int,
-                   sends: bool = True) -> list[_Action]:
-    """One rank's compute actions with a receive just before the compute that needs it and (with
-    `sends`) a send just after the compute that produces it: the order the asynchronous runtime
-    executes (it issues the sends itself, right after the compute, and never blocks on them)."""
-    lowered = []
-    for a in ops:
-        s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
-        rank = stage_to_rank(s)
-        if kind == FORWARD:
-            if s > 0 and stage_to_rank(s - 1) != rank:
-                lowered.append(_Action(s, RECV_F, mb))
-            lowered.append(a)
-            if sends and s < n_stages - 1 and stage_to_rank(s + 1) != rank:
-                lowered.append(_Action(s, SEND_F, mb))
-        else:
-            if s < n_stages - 1 and stage_to_rank(s + 1) != rank:
-                lowered.append(_Action(s, RECV_B, mb))
-            lowered.append(a)
-            if sends and s > 0 and stage_to_rank(s - 1) != rank:
-                lowered.append(_Action(s, SEND_B, mb))
-    return lowered
-
-
-
-def _fail(message: str, lowered, rank: int, step: int):
-    table = _format_pipeline_order(lowered, error_step_number=step)
-    raise ScheduleError(f"rank {rank}, step {step}: {message}\n\n{table}")
+def _fail(message: str, table, rank: int, step: int):
+    raise ScheduleError(f"rank {rank}, step {step}: {message}\n\n{_format_pipeline_order(table, error_step_number=step)}")
 
 
 def _check_indices_and_repeats(actions: ComputeActions, n_stages: int, n_microbatches: int) -> None:
@@ -97,82 +74,164 @@ def _check_indices_and_repeats(actions: ComputeActions, n_stages: int, n_microba
 
 
 def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_microbatches: int,
-                   lower: Callable | None = None) -> dict:
-    """Validate and simulate; returns the lowered per-rank lists (compute + comms).
+                   plan: Callable[[Callable[[int], int]], Program] | None = None, streams: str = "pair") -> Program:
+    """Validate, plan and play; returns the per-rank programs.
 
-    `lower(ops, stage_to_rank, n_stages)` lowers one rank's list; default: torch's pass over all ranks.
-    A lowered list may hold None: there the rank waits until every send it issued was received (the
-    end of a runtime call, where torch waits for its sends)."""
+    `plan(stage_to_rank)` gives the programs to play; default: one flushed step of `actions`
+    (comm_plan.plan_program), each rank waiting for its sends at the end, as the runtime does."""
     _check_indices_and_repeats(actions, n_stages, n_microbatches)
     try:
         stage_to_rank = _validate_schedule(actions, pp_size, n_stages, n_microbatches)
     except AssertionError as err:
         raise ScheduleError(str(err)) from None
     try:
-        if lower is None:
-            lowered = lower_with_comms(actions, stage_to_rank.__getitem__, n_stages)
+        if plan is None:
+            program = {r: ops + [None] for r, ops in plan_program(actions, stage_to_rank.__getitem__, n_stages).items()}
         else:
-            lowered = {r: lower(ops, stage_to_rank.__getitem__, n_stages) for r, ops in actions.items()}
-    except AssertionError as err:  # torch's lowering gives up on orders that would hang
-        raise ScheduleError(f"{err}: an order that would hang\n\n{_format_pipeline_order(actions)}") from None
+            program = plan(stage_to_rank.__getitem__)
+    except PlanError as err:
+        raise ScheduleError(f"{err}\n\n{_format_pipeline_order(actions)}") from None
+    check_program(program, stage_to_rank.__getitem__, n_stages, streams)
+    return program
 
-    sent: set[tuple] = set()  # (kind, stage, mb) messages in flight
-    received: set[tuple] = set()
-    done_forward: set[tuple[int, int]] = set()  # (stage, mb) forwarded, on any rank
+
+class _Batch:
+    def __init__(self, rank: int, batch: P2PBatch, streams: set):
+        self.rank, self.batch, self.streams = rank, batch, streams
+        self.done = [False] * len(batch.ops)
+        self.channel_index: list[tuple[tuple[int, int], int, bool]] = []  # per op: (sender, receiver), k, is send
+        self.complete = False
+
+
+def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str = "pair") -> None:
+    """Play every rank's program under NCCL's rules (see the module docstring); raise ScheduleError."""
+    if streams not in ("pair", "rank"):
+        raise ValueError(f"streams must be 'pair' or 'rank', got {streams!r}")
+    sends: dict[tuple[int, int], list[tuple[_Action, _Batch]]] = {}  # (sender, receiver) → posted sends
+    receives: dict[tuple[int, int], list[tuple[_Action, _Batch]]] = {}
+    queues: dict[tuple[int, object], deque[_Batch]] = {}  # (rank, stream) → batches not complete, in posting order
+    receive_batch: dict[tuple[int, _Action], _Batch] = {}  # a posted receive, until its compute consumes it
+    send_batches: dict[int, list[_Batch]] = {r: [] for r in program}
+    open_batches: list[_Batch] = []
+    done_forward: set[tuple[int, int]] = set()
     done_backward: set[tuple[int, int]] = set()
-    position = {r: 0 for r in lowered}
-    sent_by: dict[int, set[tuple]] = {r: set() for r in lowered}
+    position = {r: 0 for r in program}
 
-    def ready(rank: int, action: _Action | None) -> bool:
-        if action is None:
-            return sent_by[rank] <= received
+    def post(rank: int, step: int, batch: P2PBatch) -> None:
+        peers = [peer_of(op, stage_to_rank) for op in batch.ops]
+        posted = _Batch(rank, batch, set(peers) if streams == "pair" else {"*"})
+        for op, peer in zip(batch.ops, peers):
+            is_send = op.computation_type in (SEND_F, SEND_B)
+            produced = done_forward if op.computation_type == SEND_F else done_backward
+            if is_send and (op.stage_index, op.microbatch_index) not in produced:
+                _fail(f"{op} is posted before stage {op.stage_index} computed it", program, rank, step)
+            channel = (rank, peer) if is_send else (peer, rank)
+            mine, theirs = (sends, receives) if is_send else (receives, sends)
+            k = len(mine.setdefault(channel, []))
+            mine[channel].append((op, posted))
+            posted.channel_index.append((channel, k, is_send))
+            if k < len(theirs.get(channel, [])):
+                other = theirs[channel][k][0]
+                send, receive = (op, other) if is_send else (other, op)
+                if matching_receive(send) != receive:
+                    _fail(f"message {k} from rank {channel[0]} to rank {channel[1]} is {send} but is received by "
+                          f"{receive}: NCCL matches by posting order, so the wrong tensor would arrive", program, rank, step)
+            if not is_send:
+                if (rank, op) in receive_batch:
+                    _fail(f"{op} posted twice", program, rank, step)
+                receive_batch[(rank, op)] = posted
+        if any(op.computation_type in (SEND_F, SEND_B) for op in batch.ops):
+            send_batches[rank].append(posted)
+        for stream in posted.streams:
+            queues.setdefault((rank, stream), deque()).append(posted)
+        open_batches.append(posted)
+
+    def needed_receive(action: _Action) -> _Action | None:
         s, kind, mb = action.stage_index, action.computation_type, action.microbatch_index
-        if kind == RECV_F:
-            return ("F", s - 1, mb) in sent
-        if kind == RECV_B:
-            return ("B", s + 1, mb) in sent
+        if kind == FORWARD and s > 0 and stage_to_rank(s - 1) != stage_to_rank(s):
+            return _Action(s, RECV_F, mb)
+        if kind in _BACKWARDS and s < n_stages - 1 and stage_to_rank(s + 1) != stage_to_rank(s):
+            return _Action(s, RECV_B, mb)
+        return None
+
+    def try_run(rank: int, step: int, entry) -> bool:
+        if entry is None:
+            return all(b.complete for b in send_batches[rank])
+        if isinstance(entry, P2PBatch):
+            post(rank, step, entry)
+            return True
+        if not is_compute(entry) and entry.sub_actions is None:
+            return True  # local work: (un)shard, gradient reduction, an optimizer update
+        for action in entry.sub_actions or (entry,):
+            receive = needed_receive(action)
+            if receive is not None:
+                batch = receive_batch.get((rank, receive))
+                if batch is None:
+                    what = "input" if action.computation_type == FORWARD else "output gradient"
+                    _fail(f"{action} runs without receiving its {what}", program, rank, step)
+                if not batch.complete:
+                    return False
+        for action in entry.sub_actions or (entry,):
+            s, kind, mb = action.stage_index, action.computation_type, action.microbatch_index
+            receive = needed_receive(action)
+            if receive is not None:
+                del receive_batch[(rank, receive)]
+            if kind == FORWARD:
+                if s > 0 and (s - 1, mb) not in done_forward:
+                    _fail(f"{action} runs before stage {s - 1} forwarded microbatch {mb}", program, rank, step)
+                done_forward.add((s, mb))
+            elif kind in _BACKWARDS:
+                if s < n_stages - 1 and (s + 1, mb) not in done_backward:
+                    _fail(f"{action} runs before stage {s + 1} sent its gradient", program, rank, step)
+                done_backward.add((s, mb))
         return True
 
-    def run(rank: int, step: int, action: _Action | None) -> None:
-        if action is None:
-            return
-        s, kind, mb = action.stage_index, action.computation_type, action.microbatch_index
-        if kind in (SEND_F, SEND_B):
-            message = ("F" if kind == SEND_F else "B", s, mb)
-            sent.add(message)
-            sent_by[rank].add(message)
-        elif kind == RECV_F:
-            received.add(("F", s - 1, mb))
-        elif kind == RECV_B:
-            received.add(("B", s + 1, mb))
-        elif kind == FORWARD:
-            if s > 0 and (s - 1, mb) not in done_forward:
-                _fail(f"{action} runs before stage {s - 1} forwarded microbatch {mb}", lowered, rank, step)
-            if s > 0 and stage_to_rank[s - 1] != rank and ("F", s - 1, mb) not in received:
-                _fail(f"{action} runs without receiving its input", lowered, rank, step)
-            done_forward.add((s, mb))
-        elif kind in _BACKWARDS:
-            if s < n_stages - 1 and (s + 1, mb) not in done_backward:
-                _fail(f"{action} runs before stage {s + 1} sent its gradient", lowered, rank, step)
-            if s < n_stages - 1 and stage_to_rank[s + 1] != rank and ("B", s + 1, mb) not in received:
-                _fail(f"{action} runs without receiving its output gradient", lowered, rank, step)
-            done_backward.add((s, mb))
+    def started(batch: _Batch) -> bool:
+        return all(queues[(batch.rank, stream)][0] is batch for stream in batch.streams)
+
+    def settle() -> bool:
+        """Complete every send/receive pair whose two batches have started; True if anything moved."""
+        moved = True
+        any_moved = False
+        while moved:
+            moved = False
+            for batch in [b for b in open_batches if not b.complete and started(b)]:
+                for i, (channel, k, is_send) in enumerate(batch.channel_index):
+                    if batch.done[i]:
+                        continue
+                    theirs = (receives if is_send else sends).get(channel, [])
+                    if k < len(theirs) and started(theirs[k][1]):
+                        other = theirs[k][1]
+                        batch.done[i] = True
+                        other.done[other.channel_index.index((channel, k, not is_send))] = True
+                        moved = True
+                if all(batch.done):
+                    batch.complete = True
+                    for stream in batch.streams:
+                        queues[(batch.rank, stream)].popleft()
+                    open_batches.remove(batch)
+                    moved = True
+            any_moved |= moved
+        return any_moved
 
     progress = True
     while progress:
         progress = False
-        for rank, ops in lowered.items():
-            while position[rank] < len(ops) and ready(rank, ops[position[rank]]):
-                run(rank, position[rank], ops[position[rank]])
+        for rank, ops in program.items():
+            while position[rank] < len(ops) and try_run(rank, position[rank], ops[position[rank]]):
                 position[rank] += 1
                 progress = True
-    stuck = {r: p for r, p in position.items() if p < len(lowered[r])}
+        progress |= settle()
+    stuck = {r: p for r, p in position.items() if p < len(program[r])}
     if stuck:
         rank, step = next(iter(stuck.items()))
-        waiting = lowered[rank][step]
-        what = "the end of a step, for its sends to be received," if waiting is None else waiting
-        _fail(f"deadlock: {what} waits forever", lowered, rank, step)
-    if sent != received:
-        orphan = sorted(map(str, sent ^ received))
-        raise ScheduleError(f"sends and receives do not pair up: {orphan}")
-    return lowered
+        waiting = program[rank][step]
+        what = "waiting for its sends to be received" if waiting is None else f"{waiting} waits"
+        blocked = [f"rank {b.rank}: {b.batch} ({'started' if started(b) else 'queued behind an earlier batch'})"
+                   for b in open_batches]
+        _fail(f"deadlock: {what} forever; unfinished batches: " + "; ".join(blocked), program, rank, step)
+    unpaired = sorted(f"{channel}: {len(sends.get(channel, []))} sends, {len(receives.get(channel, []))} receives"
+                      for channel in set(sends) | set(receives)
+                      if len(sends.get(channel, [])) != len(receives.get(channel, [])))
+    if unpaired:
+        raise ScheduleError(f"sends and receives do not pair up: {unpaired}")

@@ -8,6 +8,7 @@ multi-process run. Update the project and these pins together.
 from __future__ import annotations
 
 import inspect
+import re
 from unittest import mock
 
 import pytest
@@ -16,7 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import (
     _Action,
-    _add_send_recv,
+    _add_reduce_grad,
     _add_unshard_reshard,
     _ComputationType,
     _format_pipeline_order,
@@ -128,44 +129,6 @@ def test_module_level_aliases_imported_by_the_project(alias, member):
 
 
 # --------------------------------------------------------------------------------------------
-# _add_send_recv: the lowering pass check_schedule and the runtime share
-# --------------------------------------------------------------------------------------------
-
-
-def test_add_send_recv_signature():
-    assert list(inspect.signature(_add_send_recv).parameters) == ["compute_actions", "stage_to_rank", "num_stages"]
-
-
-def test_add_send_recv_pairs_a_forward_across_two_ranks():
-    """SEND_F goes right after the forward on rank 0, RECV_F right before the forward on rank 1."""
-    lowered = _add_send_recv(parse({0: "0F0", 1: "1F0"}), stage_to_rank=lambda s: s, num_stages=2)
-    assert as_text(lowered) == {0: "0F0 0SEND_F0", 1: "1RECV_F0 1F0"}
-
-
-def test_add_send_recv_pairs_a_backward_across_two_ranks():
-    lowered = _add_send_recv(parse({0: "0F0 0B0", 1: "1F0 1B0"}), stage_to_rank=lambda s: s, num_stages=2)
-    assert as_text(lowered) == {0: "0F0 0SEND_F0 0RECV_B0 0B0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"}
-
-
-def test_add_send_recv_adds_nothing_between_stages_on_one_rank():
-    lowered = _add_send_recv(parse({0: "0F0 1F0 1B0 0B0"}), stage_to_rank=lambda s: 0, num_stages=2)
-    assert as_text(lowered) == {0: "0F0 1F0 1B0 0B0"}
-
-
-def test_add_send_recv_consumes_its_input():
-    """Why lower_with_comms hands it fresh lists: the input dict is emptied."""
-    compute = parse({0: "0F0", 1: "1F0"})
-    _add_send_recv(compute, stage_to_rank=lambda s: s, num_stages=2)
-    assert compute == {}
-
-
-def test_add_send_recv_gives_up_on_a_hanging_order_with_assertion_error():
-    compute = parse({0: "0F0 0B0 0F1 0B1", 1: "1F0 1F1 1B0 1B1"})
-    with pytest.raises(AssertionError, match="Malformed compute schedule, can't schedule sends/recvs"):
-        _add_send_recv(compute, stage_to_rank=lambda s: s, num_stages=2)
-
-
-# --------------------------------------------------------------------------------------------
 # _validate_schedule and _format_pipeline_order
 # --------------------------------------------------------------------------------------------
 
@@ -208,23 +171,45 @@ def test_format_pipeline_order_is_a_rank_by_step_table():
 # --------------------------------------------------------------------------------------------
 
 
-def test_runtime_prepares_a_program_from_compute_lists_without_a_process_group():
+def test_runtime_sets_the_stage_to_rank_map_from_compute_lists_without_a_process_group():
+    """ActionListSchedule takes torch's stage → rank map from its lists; the program is ours."""
     runtime = _PipelineScheduleRuntime(
         stages=[mock_stage(2, 2)], n_microbatches=4, loss_fn=lambda out, target: out, scale_grads=True
     )
-    assert callable(getattr(runtime, "_prepare_schedule_with_comms", None))
-    assert list(inspect.signature(runtime._prepare_schedule_with_comms).parameters)[0] == "actions"
-    runtime._prepare_schedule_with_comms(one_f_one_b_actions(2, 4))
-
+    runtime._validate_and_set_stage_mapping(one_f_one_b_actions(2, 4))
     assert runtime.stage_index_to_group_rank == {0: 0, 1: 1}
-    assert runtime._num_stages == 2
+    assert runtime._num_stages == 2 and runtime.rank == 0
     assert hasattr(runtime, "_has_backward")
-    program = as_text(runtime.pipeline_order_with_comms)
-    # the same lowering as _add_send_recv, wrapped in UNSHARD … REDUCE_GRAD RESHARD
-    assert program[1] == (
-        "1UNSHARD 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1RECV_F2 1B1 1SEND_B1 1F2 1RECV_F3 1B2 1SEND_B2 "
-        "1F3 1B3 1SEND_B3 1REDUCE_GRAD 1RESHARD"
-    )
+
+
+def test_add_reduce_grad_reduces_a_stage_after_its_last_backward():
+    """Synchronous FSDP stages reduce their gradient once per step (schedules/runtime.py)."""
+    program = _add_reduce_grad(parse({0: "0F0 0F1 0B0 0B1"})[0], 2)
+    assert " ".join(str(a) for a in program) == "0F0 0F1 0B0 0B1 0REDUCE_GRAD"
+
+
+def test_runtime_dispatches_any_action_type_registered_in_its_function_map():
+    """ProgramRuntime posts its P2P batches by putting SEND_F/SEND_B/RECV_F/RECV_B into this map
+    (register_custom_function refuses them, the dispatch does not), and the asynchronous runtime
+    registers REDUCE_GRAD as a stage's update."""
+    runtime = _PipelineScheduleRuntime(stages=[mock_stage(2, 2)], n_microbatches=1, loss_fn=None)
+    assert runtime._comp_type_to_function_map == {}
+    runtime.register_custom_function(_ComputationType.REDUCE_GRAD, lambda action, ctx: None)
+    source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
+    dispatch = source.index("if action.computation_type in self._comp_type_to_function_map:")
+    assert dispatch < source.index("_perform_action(action)"), "the map must be consulted before torch's own handling"
+    assert "self._comp_type_to_function_map[action.computation_type](" in source
+
+
+def test_runtime_waits_for_the_receive_works_it_finds_under_stage_and_chunk():
+    """ProgramRuntime hands the works of each posted batch to torch under (stage, chunk); torch pops
+    and waits for them right before the forward or backward that needs the message."""
+    runtime = _PipelineScheduleRuntime(stages=[mock_stage(2, 2)], n_microbatches=1, loss_fn=None)
+    assert runtime.fwd_recv_ops == {} and runtime.bwd_recv_ops == {}
+    source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
+    assert "_wait_batch_p2p(self.fwd_recv_ops.pop((stage_idx, mb_index)))" in source
+    assert "_wait_batch_p2p(self.bwd_recv_ops.pop((stage_idx, mb_index)))" in source
+    assert "w.wait()" in inspect.getsource(torch_schedules._wait_batch_p2p)
 
 
 def test_runtime_has_the_step_hooks_the_project_overrides():
@@ -266,22 +251,24 @@ def test_multi_stage_schedules_build_their_order_from_mock_stages():
     ],
 )
 def test_pipeline_stage_p2p_op_builders(method, first_params):
-    """AsyncPipelineSchedule wraps these to tag every message and to issue sends itself."""
+    """ProgramRuntime builds each batch's operations from these (schedules/runtime.py)."""
     fn = getattr(PipelineStage, method, None)
     assert callable(fn), method
     assert list(inspect.signature(fn).parameters)[: len(first_params)] == first_params
 
 
-def test_p2p_op_accepts_a_tag_and_a_group_peer():
+def test_stage_p2p_ops_carry_tag_zero():
+    """NCCL ignores tags; the runtime relies on none, and the stage's operations carry the default 0,
+    so gloo matches them by posting order per pair of ranks, as NCCL does."""
     import torch.distributed as dist
 
-    params = inspect.signature(dist.P2POp.__init__).parameters
-    assert {"op", "tensor", "group", "tag", "group_peer"} <= set(params)
+    assert inspect.signature(dist.P2POp.__init__).parameters["tag"].default == 0
+    for method in ("get_fwd_send_ops", "get_bwd_send_ops", "_get_recv_ops"):
+        source = inspect.getsource(getattr(PipelineStage, method))
+        assert "dist.P2POp(" in source and not re.search(r"\btag\b", source), method
 
 
-def test_runtime_helpers_and_hooks_used_by_the_async_runtime():
-    for name in ("_batch_p2p", "_wait_batch_p2p"):
-        assert callable(getattr(torch_schedules, name, None)), name
+def test_runtime_hooks_used_by_the_async_runtime():
     params = list(inspect.signature(_PipelineScheduleRuntime._step_microbatches).parameters)
     assert params[:6] == ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses", "return_outputs"]
     for hook in ("_maybe_compute_loss", "_maybe_get_loss", "_compute_loss", "_initialize_stages"):

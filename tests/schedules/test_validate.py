@@ -1,8 +1,9 @@
 """`check_schedule`: one-process validation of a schedule before any process group exists.
 
-It accepts every registered schedule at the sizes it supports, returns the program torch's runtime
-will execute (compute plus the sends and receives torch's own lowering adds), and rejects broken
-action lists, each with a specific failure.
+It accepts every registered schedule at the sizes it supports, returns the programs the runtime
+executes (compute plus the P2P batches comm_plan.py plans), plays them under NCCL's rules —
+matching by posting order per pair of ranks, ordered streams, sends that complete only with their
+receive — and rejects broken action lists and programs, each with a specific failure.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from hf_asyncpp.schedules import SCHEDULES, ScheduleError, check_schedule
-from hf_asyncpp.schedules import validate as validate_module
 from hf_asyncpp.schedules.actions import gpipe_actions, one_f_one_b_actions
+from hf_asyncpp.schedules.comm_plan import P2PBatch
+from hf_asyncpp.schedules.validate import check_program
 
 COMMS = (SEND_F, RECV_F, SEND_B, RECV_B)
 
@@ -31,22 +33,77 @@ def parse(table: dict[int, str]) -> dict[int, list[_Action | None]]:
     return {r: [None if t == "-" else _Action.from_str(t) for t in ops.split()] for r, ops in table.items()}
 
 
+def parse_program(table: dict[int, str]):
+    """{rank: "0F0 0SEND_F0+0RECV_B0 0B0 ."}: '+' joins the operations of one batch, a lone send or
+    receive is a batch of one, '.' waits for the rank's sends."""
+    def entry(token):
+        if token == ".":
+            return None
+        ops = [_Action.from_str(t) for t in token.split("+")]
+        return P2PBatch(tuple(ops)) if ops[0].computation_type in COMMS else ops[0]
+
+    return {r: [entry(t) for t in ops.split()] for r, ops in table.items()}
+
+
 def as_text(program) -> dict[int, str]:
-    return {r: " ".join(str(a) for a in ops) for r, ops in program.items()}
+    return {r: " ".join("." if a is None else str(a) for a in ops) for r, ops in program.items()}
 
 
 def assert_has_table(message: str, error_step: int) -> None:
     """The rank × time table torch formats: a 'Rank r' column per rank, a 'Step t:' row per step."""
     assert "Rank 0" in message and "Rank 1" in message
-    assert "Step 0:" in message
+    assert "Step 0" in message  # zero-padded to the widest step number
     marked = [line for line in message.splitlines() if line.endswith("<-- ERROR HERE")]
     assert len(marked) == 1, message
-    assert marked[0].lstrip().startswith(f"Step {error_step}:"), message
+    assert int(marked[0].split(":")[0].split()[1]) == error_step, message
+
+
+def comm_ops(program):
+    return [op for ops in program.values() for e in ops if isinstance(e, P2PBatch) for op in e.ops]
 
 
 # --------------------------------------------------------------------------------------------
-# Accepted: every registered schedule at the sizes it supports.
+# Accepted: every registered schedule at every size it supports, under both stream models.
 # --------------------------------------------------------------------------------------------
+
+
+def supported_grid():
+    """Every registered schedule, pp 2…8, m from the smallest it accepts to 2·pp (its own placement:
+    loop for one and two stages per rank, V for zbv)."""
+    for name, spec in sorted(SCHEDULES.items()):
+        for pp_size in range(2, 9):
+            for m in range(1, 2 * pp_size + 1):
+                try:
+                    spec.check_microbatches(pp_size, m)
+                except ValueError:
+                    continue
+                yield name, pp_size, m
+
+
+GRID = list(supported_grid())
+
+
+def test_the_grid_covers_every_schedule_and_placement():
+    assert {name for name, _, _ in GRID} == set(SCHEDULES)
+    assert {SCHEDULES[name].placement for name, _, _ in GRID} == {"loop", "v"}
+    assert {SCHEDULES[name].stages_per_rank for name, _, _ in GRID} == {1, 2}
+
+
+@pytest.mark.parametrize("streams", ["pair", "rank"])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_runs_under_nccl_rules_at_every_supported_size(name, streams):
+    """One stream per pair of ranks (NCCL's P2P), or one for all of a rank's peers (stricter)."""
+    spec = SCHEDULES[name]
+    for _, pp_size, m in [g for g in GRID if g[0] == name]:
+        n_stages = spec.n_stages(pp_size)
+        if spec.synchronous:
+            check_schedule(spec.make_actions(pp_size, m), pp_size, n_stages, m, streams=streams)
+        else:
+            steps = 3
+            actions = spec.order.stream(pp_size, m, steps)
+            check_schedule(actions, pp_size, n_stages, m * steps, streams=streams,
+                           plan=lambda stage_to_rank: spec.programs(pp_size, m, steps, stage_to_rank))
+
 
 SUPPORTED = {
     "gpipe": [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (2, 5), (4, 1), (4, 4), (4, 8)],
@@ -60,56 +117,36 @@ SUPPORTED = {
     "name, pp_size, n_microbatches",
     [(name, pp, m) for name, sizes in SUPPORTED.items() for pp, m in sizes],
 )
-def test_builtin_schedules_pass_at_supported_sizes(name, pp_size, n_microbatches):
+def test_planning_keeps_each_ranks_compute_order_and_pairs_every_message(name, pp_size, n_microbatches):
     spec = SCHEDULES[name]
     actions = spec.make_actions(pp_size, n_microbatches)
     program = check_schedule(actions, pp_size, spec.n_stages(pp_size), n_microbatches)
 
     assert sorted(program) == list(range(pp_size))
     for r in range(pp_size):
-        compute = [a for a in program[r] if a.computation_type not in COMMS]
-        assert compute == [a for a in actions[r] if a is not None], f"lowering reordered rank {r}'s compute"
+        compute = [a for a in program[r] if isinstance(a, _Action)]
+        assert compute == [a for a in actions[r] if a is not None], f"planning reordered rank {r}'s compute"
+        assert program[r][-1] is None  # a flushed step ends waiting for its sends
     # one stage per rank ⇒ one send/receive pair per microbatch per boundary and direction
     boundaries = spec.n_stages(pp_size) - 1
-    every = [a for ops in program.values() for a in ops]
     if spec.stages_per_rank == 1:
         for kind in COMMS:
-            assert sum(a.computation_type == kind for a in every) == boundaries * n_microbatches, kind
+            assert sum(op.computation_type == kind for op in comm_ops(program)) == boundaries * n_microbatches, kind
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
-@pytest.mark.parametrize("pp_size", [1, 2, 4])
-def test_every_registered_schedule_that_accepts_a_size_passes_the_check(name, pp_size):
-    """Whatever joins the registry later: accepting a size means its lists validate and simulate."""
-    spec = SCHEDULES[name]
-    accepted = 0
-    for m in (1, 3, 4, 8):
-        try:
-            spec.check_microbatches(pp_size, m)
-        except ValueError:
-            continue
-        accepted += 1
-        if spec.synchronous:
-            check_schedule(spec.make_actions(pp_size, m), pp_size, spec.n_stages(pp_size), m)
-        else:  # several steps of the continuous order, lowered as its runtime lowers it, and its versions
-            assert spec.actions(pp_size, m)
-    assert accepted, f"{name} accepts none of the usual microbatch counts at pp_size {pp_size}"
-
-
-def test_lowered_1f1b_program_golden_pp2_m4():
-    """The exact program torch's runtime executes for 1F1B at (pp=2, m=4): each forward on rank 0 is
-    followed by its send, each receive lands on rank 1 right before the compute that needs it."""
+def test_1f1b_program_golden_pp2_m4():
+    """What the runtime executes for 1F1B at (pp=2, m=4): rank 0 posts each activation's send together
+    with the next gradient's receive, as torch's own 1F1B does; rank 1 posts each receive as soon as
+    the activation is produced, and both post the pair's messages in the same order."""
     program = check_schedule(one_f_one_b_actions(2, 4), 2, 2, 4)
     assert as_text(program) == {
-        0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0F3 0SEND_F3 "
-        "0RECV_B2 0B2 0RECV_B3 0B3",
-        1: "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1RECV_F2 1B1 1SEND_B1 1F2 1RECV_F3 1B2 1SEND_B2 "
-        "1F3 1B3 1SEND_B3",
+        0: "0F0 0SEND_F0 0F1 0SEND_F1+0RECV_B0 0B0 0F2 0SEND_F2+0RECV_B1 0B1 0F3 0SEND_F3+0RECV_B2 0B2 "
+        "0RECV_B3 0B3 .",
+        1: "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1RECV_F2 1B1 1SEND_B1 1F2 1RECV_F3 1B2 1SEND_B2 1F3 1B3 1SEND_B3 .",
     }
 
 
 def test_check_schedule_does_not_consume_the_callers_lists():
-    """torch's _add_send_recv pops from the lists it is given; check_schedule must work on copies."""
     actions = gpipe_actions(2, 3)
     before = {r: list(ops) for r, ops in actions.items()}
     check_schedule(actions, 2, 2, 3)
@@ -120,14 +157,15 @@ def test_check_schedule_does_not_consume_the_callers_lists():
 def test_bubbles_are_allowed_and_dropped_from_the_program():
     actions = parse({0: "0F0 - 0B0", 1: "- 1F0 1B0"})
     program = check_schedule(actions, 2, 2, 1)
-    assert as_text(program) == {0: "0F0 0SEND_F0 0RECV_B0 0B0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"}
+    assert as_text(program) == {0: "0F0 0SEND_F0+0RECV_B0 0B0 .", 1: "1RECV_F0 1F0 1B0 1SEND_B0 ."}
 
 
-def test_out_of_order_forwards_that_cannot_hang_are_accepted():
-    """Rank 1 forwarding microbatch 1 before 0 is fine when rank 0 sends both before waiting:
-    the lowering places both receives first. (Only orders that hang are errors; see below.)"""
+def test_out_of_order_forwards_receive_in_the_senders_order():
+    """Rank 1 forwards microbatch 1 before 0: it still posts its receives in the order rank 0 sends
+    (0, then 1) — NCCL would otherwise hand it microbatch 0's activation as microbatch 1's."""
     actions = parse({0: "0F0 0F1 0B0 0B1", 1: "1F1 1F0 1B0 1B1"})
-    check_schedule(actions, 2, 2, 2)
+    program = check_schedule(actions, 2, 2, 2)
+    assert as_text(program)[1].startswith("1RECV_F0+1RECV_F1 1F1 1F0")
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,8 +211,8 @@ def test_rejects_a_wrong_number_of_ranks():
         check_schedule(parse({0: "0F0 0B0"}), 2, 2, 1)
 
 
-# Orders that hang. torch's lowering pass gives up on them ("Malformed compute schedule") before
-# the simulation runs; check_schedule reports that as a ScheduleError with the rank x time table.
+# Orders that hang: no run exists, so the planner finds every rank waiting for an input that never
+# comes; check_schedule reports it as a ScheduleError with the compute lists as a rank x time table.
 
 HANGS = {
     # rank 1 forwards microbatch 1 first, but rank 0 sends microbatch 1 only after backwarding 0,
@@ -189,7 +227,7 @@ HANGS = {
 @pytest.mark.parametrize("case", sorted(HANGS))
 def test_rejects_orders_that_hang(case):
     actions = parse(HANGS[case])
-    with pytest.raises(ScheduleError, match="Malformed compute schedule, can't schedule sends/recvs"):
+    with pytest.raises(ScheduleError, match="the order cannot run: every rank waits for an input that never comes"):
         check_schedule(actions, 2, 2, 2)
 
 
@@ -239,63 +277,105 @@ def test_rejects_a_stage_index_beyond_n_stages():
 
 
 # --------------------------------------------------------------------------------------------
-# The simulation of the lowered program. torch's lowering is itself careful about dependencies,
-# so these failures are provoked by substituting a broken lowering: they specify what the
-# simulation catches should the lowering (or a future hand-written one) ever go wrong.
+# The play under NCCL's rules, on hand-written programs: what it catches should the planner (or a
+# future hand-written program) ever go wrong.
 # --------------------------------------------------------------------------------------------
 
-GOOD_COMPUTE = {0: "0F0 0B0", 1: "1F0 1B0"}
+
+def play(table: dict[int, str], n_stages: int = 2, streams: str = "pair"):
+    check_program(parse_program(table), lambda s: s, n_stages, streams)
 
 
-def check_with_lowering(monkeypatch, lowered: dict[int, str], compute: dict[int, str] = GOOD_COMPUTE, n_microbatches=1):
-    monkeypatch.setattr(validate_module, "lower_with_comms", lambda *args, **kwargs: parse(lowered))
-    return check_schedule(parse(compute), 2, 2, n_microbatches)
+def send_then_receive_1f1b(pp_size: int, m: int) -> dict[int, str]:
+    """1F1B with every operation alone: a receive right before the compute that needs it, a send right
+    after the compute that produced it — the order gloo forgives and NCCL does not."""
+    program = {}
+    for r, ops in one_f_one_b_actions(pp_size, m).items():
+        tokens = []
+        for a in ops:
+            forward = a.computation_type.name == "FORWARD"
+            if forward and r > 0:
+                tokens.append(f"{r}RECV_F{a.microbatch_index}")
+            if not forward and r < pp_size - 1:
+                tokens.append(f"{r}RECV_B{a.microbatch_index}")
+            tokens.append(str(a))
+            if forward and r < pp_size - 1:
+                tokens.append(f"{r}SEND_F{a.microbatch_index}")
+            if not forward and r > 0:
+                tokens.append(f"{r}SEND_B{a.microbatch_index}")
+        program[r] = " ".join(tokens + ["."])
+    return program
 
 
-def test_simulation_accepts_the_correct_program(monkeypatch):
-    program = check_with_lowering(
-        monkeypatch, {0: "0F0 0SEND_F0 0RECV_B0 0B0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"}
-    )
-    assert as_text(program)[1] == "1RECV_F0 1F0 1B0 1SEND_B0"
+def test_accepts_the_correct_program():
+    play({0: "0F0 0SEND_F0 0RECV_B0 0B0 .", 1: "1RECV_F0 1F0 1B0 1SEND_B0 ."})
 
 
-def test_simulation_reports_deadlock_with_the_table(monkeypatch):
+def test_rejects_ungrouped_send_then_receive_1f1b_at_pp2_with_the_table():
+    """The circular wait of the issue: rank 0 sends activation 2 then waits for gradient 1, rank 1
+    sends gradient 1 then waits for activation 2; each send needs a receive queued behind the other."""
     with pytest.raises(ScheduleError) as info:
-        check_with_lowering(monkeypatch, {0: "0RECV_B0 0F0 0SEND_F0 0B0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"})
+        play(send_then_receive_1f1b(2, 4))
     message = str(info.value)
-    assert message.startswith("rank 0, step 0: deadlock: 0RECV_B0 waits forever")
-    assert_has_table(message, error_step=0)
+    assert "deadlock" in message and "queued behind an earlier batch" in message, message
+    assert_has_table(message, error_step=int(message.split(",")[1].split()[1].rstrip(":")))
 
 
-def test_simulation_reports_forward_before_the_previous_stage(monkeypatch):
-    with pytest.raises(ScheduleError, match=r"rank 1, step 0: 1F0 runs before stage 0 forwarded microbatch 0"):
-        check_with_lowering(monkeypatch, {0: "0RECV_B0 0F0 0SEND_F0 0B0", 1: "1F0 1B0 1SEND_B0"})
+def test_the_same_1f1b_with_each_send_grouped_with_the_next_receive_runs():
+    grouped = {
+        0: "0F0 0SEND_F0 0F1 0SEND_F1+0RECV_B0 0B0 0F2 0SEND_F2+0RECV_B1 0B1 0F3 0SEND_F3+0RECV_B2 0B2 0RECV_B3 0B3 .",
+        1: "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0+1RECV_F2 1F1 1B1 1SEND_B1+1RECV_F3 1F2 1B2 1SEND_B2 1F3 1B3 1SEND_B3 .",
+    }
+    play(grouped)
 
 
-def test_simulation_reports_forward_without_its_receive(monkeypatch):
+def test_rejects_a_receive_posted_early_that_blocks_a_later_send_to_the_same_peer():
+    """Rank 0 posts its gradient receive before sending the activation: on the pair's stream the
+    receive waits for a gradient that needs the activation queued behind it."""
+    with pytest.raises(ScheduleError, match="deadlock: 0F0 waits forever|deadlock: 0B0 waits forever|deadlock"):
+        play({0: "0RECV_B0 0F0 0SEND_F0 0B0 .", 1: "1RECV_F0 1F0 1B0 1SEND_B0 ."})
+
+
+def test_rejects_receives_posted_out_of_the_senders_order():
+    """Tags would keep the two activations apart; NCCL matches the first send to the first receive."""
+    with pytest.raises(ScheduleError) as info:
+        play({0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0+0RECV_B1 0B0 0B1 .",
+              1: "1RECV_F1 1RECV_F0 1F0 1F1 1B0 1B1 1SEND_B0+1SEND_B1 ."})
+    message = str(info.value)
+    assert "message 0 from rank 0 to rank 1 is 0SEND_F0 but is received by 1RECV_F1" in message
+    assert "the wrong tensor would arrive" in message
+
+
+def test_rejects_ranks_that_wait_for_their_sends_before_posting_the_peers_receive():
+    """'.' waits for the rank's sends (a flushed step's end): each rank waits for a send whose receive
+    the other posts only after its own wait."""
+    with pytest.raises(ScheduleError, match="deadlock: waiting for its sends to be received forever"):
+        play({0: "0F0 0SEND_F0 0F1 0SEND_F1 . 0RECV_B0 0RECV_B1 0B0 0B1",
+              1: "1RECV_F0 1F0 1B0 1SEND_B0 . 1RECV_F1 1F1 1B1 1SEND_B1"})
+
+
+def test_rejects_a_forward_before_the_previous_stage_on_the_same_rank():
+    with pytest.raises(ScheduleError, match=r"rank 0, step 0: 1F0 runs before stage 0 forwarded microbatch 0"):
+        check_program(parse_program({0: "1F0 0F0 0B0 1B0"}), lambda s: 0, 2)
+
+
+def test_rejects_forward_without_its_receive():
     with pytest.raises(ScheduleError, match=r"rank 1, step 0: 1F0 runs without receiving its input") as info:
-        check_with_lowering(monkeypatch, {0: "0F0 0SEND_F0 0RECV_B0 0B0", 1: "1F0 1RECV_F0 1B0 1SEND_B0"})
+        play({0: "0F0 0SEND_F0 0RECV_B0 0B0 .", 1: "1F0 1RECV_F0 1B0 1SEND_B0 ."})
     assert_has_table(str(info.value), error_step=0)
 
 
-def test_simulation_reports_backward_without_its_receive(monkeypatch):
-    """Rank 0 waits for microbatch 1's gradient, then backwards microbatch 0 whose gradient it never received."""
-    compute = {0: "0F0 0F1 0B0 0B1", 1: "1F0 1F1 1B0 1B1"}
-    lowered = {
-        0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
-        1: "1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1",
-    }
-    with pytest.raises(ScheduleError, match=r"rank 0, step 5: 0B0 runs without receiving its output gradient"):
-        check_with_lowering(monkeypatch, lowered, compute, n_microbatches=2)
+def test_rejects_backward_without_its_receive():
+    with pytest.raises(ScheduleError, match=r"rank 0, step 3: 0B0 runs without receiving its output gradient"):
+        play({0: "0F0 0F1 0SEND_F0+0SEND_F1+0RECV_B1 0B0 0B1 .",
+              1: "1RECV_F0+1RECV_F1 1F0 1F1 1B0 1B1 1SEND_B0+1SEND_B1 ."})
 
 
-def test_simulation_reports_backward_before_the_next_stage(monkeypatch):
-    with pytest.raises(ScheduleError, match=r"rank 0, step 2: 0B0 runs before stage 1 sent its gradient"):
-        check_with_lowering(monkeypatch, {0: "0F0 0SEND_F0 0B0 0RECV_B0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"})
+def test_rejects_a_send_posted_before_its_compute():
+    with pytest.raises(ScheduleError, match=r"rank 1, step 2: 1SEND_B0 is posted before stage 1 computed it"):
+        play({0: "0F0 0SEND_F0 0RECV_B0 0B0 .", 1: "1RECV_F0 1F0 1SEND_B0 1B0 ."})
 
 
-def test_simulation_reports_unpaired_sends(monkeypatch):
-    with pytest.raises(ScheduleError, match=r"sends and receives do not pair up: \[\"\('F', 0, 7\)\"\]"):
-        check_with_lowering(
-            monkeypatch, {0: "0F0 0SEND_F0 0SEND_F7 0RECV_B0 0B0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"}
-        )
+def test_rejects_unpaired_sends():
+    with pytest.raises(ScheduleError, match=r"sends and receives do not pair up: \['\(0, 1\): 2 sends, 1 receives'\]"):
+        play({0: "0F0 0SEND_F0 0RECV_B0 0B0 0SEND_F0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"})

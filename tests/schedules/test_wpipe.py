@@ -7,7 +7,6 @@ from torch.distributed.pipelining.schedules import FORWARD
 
 from hf_asyncpp.schedules import SCHEDULES, ScheduleError, check_schedule
 from hf_asyncpp.schedules.async_order import check_versions
-from hf_asyncpp.schedules.validate import lower_in_order
 from hf_asyncpp.schedules.wpipe import WPIPE
 
 
@@ -52,20 +51,3 @@ def test_the_registered_schedule_validates(pp_size, m):
 def test_too_few_microbatches_are_refused():
     with pytest.raises(ValueError, match="schedule 'wpipe' cannot run 2 microbatches with pp_size 4"):
         SCHEDULES["wpipe"].check_microbatches(4, 2)
-
-
-def test_waiting_for_sends_at_the_end_of_each_step_would_deadlock():
-    """Why the runtime never waits for its sends inside a step: with the loop placement a send of
-    step k can be received in the peer's step k + 1, whose first receive needs this rank's step k + 1."""
-    pp_size, m, steps = 2, 4, 3
-    actions = WPIPE.stream(pp_size, m, steps)
-
-    def wait_at_each_step_end(ops, stage_to_rank, n_stages):
-        rank = stage_to_rank(ops[0].stage_index)
-        lowered = []
-        for step in range(steps):
-            lowered += lower_in_order(WPIPE.segment(rank, pp_size, m, step, steps), stage_to_rank, n_stages) + [None]
-        return lowered
-
-    with pytest.raises(ScheduleError, match="deadlock: the end of a step"):
-        check_schedule(actions, pp_size, 2 * pp_size, m * steps, lower=wait_at_each_step_end)

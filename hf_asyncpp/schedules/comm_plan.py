@@ -1,0 +1,203 @@
+"""The communication plan: where each rank posts its pipeline messages, so that the program is
+correct under NCCL's rules (docs/ARCHITECTURE.md, "Communication").
+
+A rank's *program* is its compute actions with `P2PBatch`es between them. NCCL imposes:
+
+- **Matching by order, not by tag.** Between two ranks, in one direction, the k-th send meets the
+  k-th receive; the tag is ignored. Both ends must post the messages of a pair in the same order.
+- **Rendezvous on ordered streams.** The P2P operations a rank posts for a peer run in posting order,
+  and a send completes only together with its receive. A receive posted early blocks whatever the
+  rank posts after it for that peer until its message comes.
+
+The plan is made by playing all ranks' compute orders together, as if each took one time unit: in
+every round each rank runs its next compute if its input exists (the activation from stage s − 1,
+the gradient from stage s + 1). When a compute runs, its sends are appended to its rank's program
+and, at the same moment, the matching receives to the receivers' programs. Every pair of ranks
+therefore posts its messages, in both directions, in one common order — the order they are produced
+in a run that exists — so each pair's two streams advance in lockstep, and a receive is posted as
+early as the receiver can know of it (its buffer is ready before the data is). The operations
+between two computes form one batch (`batch_isend_irecv`; NCCL groups them, as torch's 1F1B pairs
+its `fwd_send_bwd_recv`). `validate.check_program` plays the result under NCCL's rules; it is
+what the runtime executes.
+
+Local actions in an order (UNSHARD, RESHARD, REDUCE_GRAD: work between computes that needs no
+message) keep their place; they run after the sends of the compute before them.
+
+Asynchronous orders are continuous: their ranks' actions come lazily, tagged with the step
+(segment) they belong to, and a rank's program for step k is handed out once nothing more can be
+appended to it (the rank has started step k + 1, or has nothing left).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    _Action,
+)
+
+__all__ = ["CommPlanner", "P2PBatch", "PlanError", "Program", "is_compute", "matching_receive", "peer_of",
+           "plan_program"]
+
+_COMPUTE = (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+_BACKWARDS = (FULL_BACKWARD, BACKWARD_INPUT)
+
+
+@dataclass(frozen=True)
+class P2PBatch:
+    """Sends and receives a rank posts together (one NCCL group); each op names the posting stage."""
+
+    ops: tuple[_Action, ...]
+
+    def __str__(self) -> str:
+        return "+".join(map(str, self.ops))
+
+
+Program = dict[int, list["_Action | P2PBatch | None"]]  # None: wait until this rank's sends completed
+
+
+class PlanError(ValueError):
+    """An order no program can run: a compute whose input never comes, or a chunk buffer in use."""
+
+
+def is_compute(action) -> bool:
+    return isinstance(action, _Action) and action.computation_type in _COMPUTE
+
+
+def peer_of(comm: _Action, stage_to_rank: Callable[[int], int]) -> int:
+    """The rank at the other end of a send or receive."""
+    s, kind = comm.stage_index, comm.computation_type
+    return stage_to_rank(s + 1 if kind in (SEND_F, RECV_B) else s - 1)
+
+
+def matching_receive(send: _Action) -> _Action:
+    """The receive a send is for: an activation goes to stage s + 1, a gradient to stage s − 1."""
+    if send.computation_type == SEND_F:
+        return _Action(send.stage_index + 1, RECV_F, send.microbatch_index)
+    return _Action(send.stage_index - 1, RECV_B, send.microbatch_index)
+
+
+def _leaves(action: _Action):
+    return action.sub_actions or (action,)
+
+
+class CommPlanner:
+    """Plays the ranks' compute orders together and builds their programs (see the module docstring).
+
+    `actions_of(rank)` iterates over (segment, action) of that rank's order, segments non-decreasing.
+    Programs are kept for the ranks in `keep` (default all); the others are only played. With
+    `n_slots`, microbatch j uses chunk buffer j mod n_slots on its stage: no forward may reuse, and no
+    receive land in, the buffer of a microbatch still between its forward and its backward."""
+
+    def __init__(self, ranks: Iterable[int], actions_of: Callable[[int], Iterator[tuple[int, _Action]]],
+                 stage_to_rank: Callable[[int], int], n_stages: int, n_slots: int | None = None,
+                 keep: Iterable[int] | None = None):
+        self.ranks = sorted(ranks)
+        self.stage_to_rank, self.n_stages, self.n_slots = stage_to_rank, n_stages, n_slots
+        self._actions = {r: actions_of(r) for r in self.ranks}
+        self._next: dict[int, tuple[int, _Action] | None] = {r: self._pull(r) for r in self.ranks}
+        self._keep = set(self.ranks if keep is None else keep)
+        self._segment = {r: -1 for r in self.ranks}  # segment of the rank's last placed action
+        self._program: dict[int, deque[tuple[int, object]]] = {r: deque() for r in self.ranks}
+        self._produced: set[tuple[int, str, int]] = set()  # (stage, "F"/"B", mb) not yet consumed
+        self._in_flight: dict[tuple[int, int], int] = {}  # (stage, slot) → microbatch forwarded, not backwarded
+
+    def _pull(self, rank: int):
+        return next(self._actions[rank], None)
+
+    def _ready(self, action: _Action) -> bool:
+        for leaf in _leaves(action):
+            s, kind, j = leaf.stage_index, leaf.computation_type, leaf.microbatch_index
+            if kind == FORWARD and s > 0 and (s - 1, "F", j) not in self._produced:
+                return False
+            if kind in _BACKWARDS and s < self.n_stages - 1 and (s + 1, "B", j) not in self._produced:
+                return False
+        return True
+
+    def _emit(self, rank: int, entry) -> None:
+        if rank in self._keep:
+            self._program[rank].append((self._segment[rank], entry))
+
+    def _check_buffer(self, rank: int, leaf: _Action, what: str) -> None:
+        if self.n_slots is None:
+            return
+        holder = self._in_flight.get((leaf.stage_index, leaf.microbatch_index % self.n_slots))
+        if holder is not None and holder != leaf.microbatch_index:
+            raise PlanError(f"rank {rank}: {what} of microbatch {leaf.microbatch_index} needs the chunk buffer of "
+                            f"microbatch {holder}, which stage {leaf.stage_index} has not yet backwarded")
+
+    def _place(self, rank: int, segment: int, action: _Action) -> None:
+        self._segment[rank] = segment
+        self._emit(rank, action)
+        for leaf in _leaves(action):
+            s, kind, j = leaf.stage_index, leaf.computation_type, leaf.microbatch_index
+            slot = None if self.n_slots is None else (s, j % self.n_slots)
+            if kind == FORWARD:
+                self._produced.discard((s - 1, "F", j))
+                self._produced.add((s, "F", j))
+                if slot:
+                    self._check_buffer(rank, leaf, "the forward")
+                    self._in_flight[slot] = j
+                if s < self.n_stages - 1 and self.stage_to_rank(s + 1) != rank:
+                    self._message(rank, _Action(s, SEND_F, j))
+            elif kind in _BACKWARDS:
+                self._produced.discard((s + 1, "B", j))
+                self._produced.add((s, "B", j))
+                if slot:
+                    self._in_flight.pop(slot, None)
+                if s > 0 and self.stage_to_rank(s - 1) != rank:
+                    self._message(rank, _Action(s, SEND_B, j))
+
+    def _message(self, rank: int, send: _Action) -> None:
+        receive = matching_receive(send)
+        receiver = self.stage_to_rank(receive.stage_index)
+        self._check_buffer(receiver, receive, "the receive")
+        self._emit(rank, send)
+        self._emit(receiver, receive)
+
+    def _round(self) -> bool:
+        """Each rank places its next action if it can; True if any did."""
+        moved = False
+        for rank in self.ranks:
+            head = self._next[rank]
+            if head is not None and (not is_compute(head[1]) and head[1].sub_actions is None or self._ready(head[1])):
+                self._place(rank, *head)
+                self._next[rank] = self._pull(rank)
+                moved = True
+        return moved
+
+    def program(self, rank: int, segment: int) -> list[_Action | P2PBatch]:
+        """Rank `rank`'s program for `segment` (call for its segments in order): its actions with the
+        sends and receives between them, consecutive ones merged into one batch."""
+        while self._next[rank] is not None and self._next[rank][0] <= segment:
+            if not self._round():
+                stuck = {r: str(h[1]) for r, h in self._next.items() if h is not None}
+                raise PlanError(f"the order cannot run: every rank waits for an input that never comes: {stuck}")
+        entries = self._program[rank]
+        program: list[_Action | P2PBatch] = []
+        while entries and entries[0][0] <= segment:
+            _, entry = entries.popleft()
+            if isinstance(entry, _Action) and entry.computation_type in (SEND_F, SEND_B, RECV_F, RECV_B):
+                if program and isinstance(program[-1], P2PBatch):
+                    program[-1] = P2PBatch(program[-1].ops + (entry,))
+                else:
+                    program.append(P2PBatch((entry,)))
+            else:
+                program.append(entry)
+        return program
+
+
+def plan_program(actions: dict[int, list[_Action | None]], stage_to_rank: Callable[[int], int], n_stages: int) -> Program:
+    """Every rank's program for finite action lists (one flushed step); bubbles (None) dropped."""
+    planner = CommPlanner(actions, lambda r: iter([(0, a) for a in actions[r] if a is not None]), stage_to_rank, n_stages)
+    return {r: planner.program(r, 0) for r in sorted(actions)}
