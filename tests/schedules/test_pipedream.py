@@ -27,9 +27,13 @@ def test_last_rank_alternates_without_warmup():
     assert _text(PIPEDREAM_2BW.segment(3, 4, 4, 1, 3), 4) == "F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3"
 
 
-@pytest.mark.parametrize("name", ["pipedream-2bw", "pipedream"])
-@pytest.mark.parametrize("pp_size, m", [(2, 1), (2, 4), (3, 2), (4, 1), (4, 2), (4, 4), (4, 8), (6, 3)])
+CASES = [(2, 1), (2, 4), (3, 2), (4, 1), (4, 2), (4, 3), (4, 4), (4, 8), (6, 3), (6, 5)]
+
+
+@pytest.mark.parametrize("name, pp_size, m", [("pipedream-2bw", p, m) for p, m in CASES]
+                         + [("pipedream", p, m) for p, m in CASES if m >= p - 1])
 def test_the_registered_schedule_validates_including_m_below_p(name, pp_size, m):
+    """2BW at any m; PipeDream from m = p − 1 on (below it refuses, see further down)."""
     spec = SCHEDULES[name]
     assert not spec.synchronous
     spec.check_microbatches(pp_size, m)  # sends/receives pair, F before B, no deadlock, versions
@@ -58,9 +62,28 @@ def test_pipedream_staleness_grows_toward_the_first_stage():
     check_versions(PIPEDREAM, pp_size, m, 4)
 
 
-def test_pipedream_with_few_microbatches_caps_its_warmup_and_delay():
-    assert [PIPEDREAM.delay(s, 4, 2) for s in range(4)] == [2, 2, 1, 0]
-    check_versions(PIPEDREAM, 4, 2, 4)
+def test_pipedream_staleness_does_not_depend_on_the_microbatch_count():
+    """Stage r is p − 1 − r updates stale at every accepted m, the smallest (p − 1) included."""
+    for pp_size in (3, 4, 6):
+        for m in (pp_size - 1, pp_size, 2 * pp_size):
+            assert [PIPEDREAM.delay(s, pp_size, m) for s in range(pp_size)] == list(range(pp_size - 1, -1, -1))
+            check_versions(PIPEDREAM, pp_size, m, 4)  # ... and the order really takes gradients that old
+
+
+@pytest.mark.parametrize("pp_size, m", [(3, 1), (4, 1), (4, 2), (6, 3), (8, 2)])
+def test_pipedream_refuses_fewer_than_p_minus_1_microbatches_instead_of_capping_the_staleness(pp_size, m):
+    """PipeDream's stage r holds p − 1 − r microbatches in flight whatever m is; capping its warm-up at
+    m (the old order) silently made stage 0 only m updates stale. Exact staleness would need a step to
+    forward past the next minibatch, which the runtime is not given, so validation refuses it with
+    the registry's message, before any process group exists."""
+    message = (f"schedule 'pipedream' cannot run {m} microbatches with pp_size {pp_size}: PipeDream keeps "
+               f"p-1-r microbatches in flight on stage r .* use n_microbatches >= pp_size - 1 = {pp_size - 1}, "
+               "or pipedream-2bw")
+    with pytest.raises(ValueError, match=message):
+        SCHEDULES["pipedream"].check_microbatches(pp_size, m)
+    with pytest.raises(ValueError, match="PipeDream keeps p-1-r"):  # no caller gets a capped delay either
+        PIPEDREAM.delay(0, pp_size, m)
+    SCHEDULES["pipedream-2bw"].check_microbatches(pp_size, m)  # one-step delay: any m is fine
 
 
 def test_too_few_buffers_would_overwrite_weights_a_pending_backward_needs():
