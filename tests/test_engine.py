@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from hf_asyncpp.parallel.spawn import run_ranks
+from tests import p2p_tags
 
 TOL = 1e-5
 FAMILIES = [
@@ -105,7 +106,8 @@ def _worker(rank, world_size, pp_size, families, schedules):
                 engine = PipelineEngine(config, model_config, layout, model=full)
                 mine = all_rows.view(layout.dp_size, MBS * M, SEQ)[layout.dp_rank]
                 loads = routed_token_counts(reference, all_rows, M * layout.dp_size)
-                result = engine.train_step(mine)
+                with p2p_tags.recording() as messages:
+                    result = engine.train_step(mine)
                 # The reference sees each dp rank's minibatch as its own accumulation group and
                 # averages them, as the dp all-reduce does.
                 ref_lm = ref_aux = 0.0
@@ -133,7 +135,7 @@ def _worker(rank, world_size, pp_size, families, schedules):
                 report.append(dict(preset=preset, schedule=schedule, param_diff=param_diff, bias_moved=bias_moved,
                                    loss_diff=abs(result.loss - ref_lm), aux_diff=abs(result.aux_loss - ref_aux),
                                    compared=compared, n_model_params=len(ref_params), moved=moved,
-                                   aux=result.aux_loss))
+                                   aux=result.aux_loss, messages=messages))
     finally:
         shutdown_parallel()
     return report
@@ -142,6 +144,7 @@ def _worker(rank, world_size, pp_size, families, schedules):
 def _check(reports):
     for rank_report in reports:
         for row in rank_report:
+            p2p_tags.assert_untagged(row["messages"])  # matched by posting order, as under NCCL
             assert row["param_diff"] < TOL, row
             assert row["loss_diff"] < TOL, row
             assert row["aux_diff"] < TOL, row

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from hf_asyncpp.parallel.spawn import run_ranks
+from tests import p2p_tags
 from tests.test_engine import small_model_config
 
 TOL = 1e-5
@@ -111,9 +112,10 @@ def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-
                 rows = _rows(model_config.vocab_size, layout.dp_size)
                 mine = [r.chunk(layout.dp_size)[layout.dp_rank] for r in rows]
                 engine = PipelineEngine(config, model_config, layout, model=full)
-                results = [engine.train_step(mine[k], mine[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
-                losses = [r.loss for r in results]
-                engine.finish()
+                with p2p_tags.recording() as messages:
+                    results = [engine.train_step(mine[k], mine[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
+                    losses = [r.loss for r in results]
+                    engine.finish()
                 delays = stage_delays(reference, model_config, emulate_depth or pp_size, schedule)
                 expected = emulate(reference, config, rows, layout.dp_size, model_config.router_aux_loss_coef, delays,
                                    per_microbatch=engine.spec.order.per_microbatch_updates)
@@ -127,6 +129,7 @@ def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-
                     param_diff=max((state[n] - ref_state[n].detach()).abs().max().item() for n in compared),
                     loss_diff=max(abs(a - b) for a, b in zip(losses, expected)),
                     losses=losses, expected=expected, ages=[r.weight_version_age_per_stage for r in results],
+                    messages=messages, pipelined=pp_size > 1,
                 ))
     finally:
         shutdown_parallel()
@@ -136,13 +139,15 @@ def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-
 def _check(reports, schedule="pipedream-2bw"):
     for i, row in enumerate(reports[0]):
         for report in reports:
+            if report[i]["pipelined"]:
+                p2p_tags.assert_untagged(report[i]["messages"])  # matched by posting order, as under NCCL
             assert report[i]["param_diff"] < TOL, report[i]
             assert report[i]["loss_diff"] < TOL, report[i]
             assert report[i]["moved"] > 1e-3, report[i]  # the updates really happened
         n_stages = len(row["ages"][0])
         final_ages = {
             "pipedream-2bw": [1] * n_stages,
-            "pipedream": [min(n_stages - 1 - s, M) for s in range(n_stages)],
+            "pipedream": [n_stages - 1 - s for s in range(n_stages)],
             "wpipe": [1] * (n_stages // 2) + [0] * (n_stages // 2),
         }[schedule]
         assert row["ages"][-1] == final_ages, row["ages"]
@@ -272,13 +277,14 @@ def _evaluating(rank, world_size, pp_size, schedule, emulate_depth, evaluate_aft
         held_out = torch.randint(0, model_config.vocab_size, (data_dp * MBS * M, SEQ),
                                  generator=torch.Generator().manual_seed(5)).chunk(dp)[d]
         losses, evals = [], []
-        for k in range(STEPS):
-            losses.append(engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None).loss)
-            if k + 1 in evaluate_after:
-                evals.append(engine.eval_step(held_out)[0])
-        engine.finish()
+        with p2p_tags.recording() as messages:
+            for k in range(STEPS):
+                losses.append(engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None).loss)
+                if k + 1 in evaluate_after:
+                    evals.append(engine.eval_step(held_out)[0])
+            engine.finish()
         state = gather_full_state_dict(engine.stage_state_dict(), layout)
-        return None if state is None else (losses, evals, {k: v.tolist() for k, v in state.items()})
+        return None if state is None else (losses, evals, {k: v.tolist() for k, v in state.items()}, messages)
     finally:
         shutdown_parallel()
 
@@ -296,6 +302,7 @@ def test_an_asynchronous_pipeline_evaluates_mid_run_without_disturbing_training(
     evaluated = next(r for r in run_ranks(world_size, _evaluating, 2, schedule, 0, after, world_size // 2) if r)
     emulated = run_ranks(1, _evaluating, 1, schedule, 2, after, world_size // 2)[0]
     assert len(evaluated[1]) == len(after)
+    p2p_tags.assert_untagged(evaluated[3])  # training and evaluation messages alike
     assert evaluated[1] == pytest.approx(emulated[1], abs=TOL)
     if schedule == "pipedream-2bw":
         plain = next(r for r in run_ranks(world_size, _evaluating, 2, schedule, 0, (), world_size // 2) if r)

@@ -37,6 +37,10 @@ class ParallelLayout:
     # All ranks, gloo, with a long timeout: for waits on a rank's I/O (dataset preparation, checkpoint
     # and export writes), which may outlast comm_timeout_s without anything being wrong.
     io_group: object = None
+    # This rank's pipeline again, as a second group: evaluation of an asynchronous pipeline runs while
+    # training's messages are in flight, and NCCL matches messages by order alone, so the two
+    # programs never share a channel.
+    eval_pp_group: object = None
 
     @property
     def pp_group(self):
@@ -88,6 +92,13 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
                                 timeout=timeout)
     pp_rank, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, pp_size)
     mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
+    eval_pp_group, _ = dist.new_subgroups_by_enumeration(
+        [[p * dp_size + d for p in range(pp_size)] for d in range(dp_size)], timeout=timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        # batch_isend_irecv needs every rank of a group in the group's first operation (a pipeline's
+        # first batch involves two ranks): start both pipeline groups' communicators together now.
+        for group in (mesh.get_group("pp"), eval_pp_group):
+            dist.barrier(group=group)
     io_group = dist.new_group(backend="gloo", timeout=max(IO_TIMEOUT, timedelta(seconds=timeout_s)))
     return ParallelLayout(
         world_size=launch.world_size,
@@ -99,6 +110,7 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         device=device,
         mesh=mesh,
         io_group=io_group,
+        eval_pp_group=eval_pp_group,
     )
 
 
