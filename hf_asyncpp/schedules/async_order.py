@@ -137,39 +137,38 @@ class SegmentPrograms:
     """The programs of an asynchronous run, one step (segment) at a time, for the ranks in `keep`.
 
     Every rank plays all ranks' continuous orders (comm_plan.CommPlanner), generated lazily: what a
-    rank replays after a resume (`replay`, per rank), then its segments from `start_step` on, each
-    backward that ends an update unit followed by the stage's update (a REDUCE_GRAD action naming
-    that microbatch: the dp reduction and optimizer step, after the gradient has been sent on).
-    `n_steps` may be lowered between steps (an early stop): the plan is then replayed from its start
-    with the new last step, and must agree with what already ran."""
+    rank replays after a resume (`replay`, per rank) ahead of its segment of `start_step`, then its
+    segments, each backward that ends an update unit followed by the stage's update (a REDUCE_GRAD
+    action naming that microbatch: the dp reduction and optimizer step, after the gradient has been
+    sent on). `n_steps` may be lowered between steps (an early stop): the segments not yet played are
+    then generated anew for the new last step."""
 
     def __init__(self, order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps: int, stage_to_rank,
                  n_stages: int, start_step: int = 0, replay: dict[int, list[_Action]] | None = None, keep=None):
         self.order, self.pp_size, self.m = order, pp_size, n_microbatches
-        self.stage_to_rank, self.n_stages, self.keep = stage_to_rank, n_stages, keep
         self._n_steps, self._start, self._replay = n_steps, start_step, replay or {}
-        self._planned: dict[int, list] = {}  # rank → programs handed out, in step order
-        self._planner = self._new_planner()
+        self._cursor: dict[int, tuple[int, int]] = {}  # rank → (step, index) of its next, unplaced action
+        self._planner = CommPlanner(range(pp_size), self._actions_of, stage_to_rank, n_stages,
+                                    order.n_slots(pp_size, n_microbatches), keep)
 
-    def _new_planner(self) -> CommPlanner:
-        self._generated: dict[int, int] = {}  # rank → last segment generated for the plan
-        return CommPlanner(range(self.pp_size), self._actions_of, self.stage_to_rank, self.n_stages,
-                           self.order.n_slots(self.pp_size, self.m), self.keep)
+    def _step_actions(self, rank: int, step: int) -> list[_Action]:
+        actions = self._replay.get(rank, []) if step == self._start else []
+        with_updates = []
+        for action in actions + self.order.segment(rank, self.pp_size, self.m, step, self._n_steps):
+            with_updates.append(action)
+            if self.order.updates_after(action, self.m):
+                with_updates.append(_Action(action.stage_index, REDUCE_GRAD, action.microbatch_index))
+        return with_updates
 
-    def _actions_of(self, rank: int):
-        for action in self._replay.get(rank, []):
-            yield from self._with_update(self._start, action)
-        step = self._start
+    def _actions_of(self, rank: int, step: int | None = None, index: int = 0):
+        step = self._start if step is None else step
         while step < self._n_steps:
-            self._generated[rank] = step
-            for action in self.order.segment(rank, self.pp_size, self.m, step, self._n_steps):
-                yield from self._with_update(step, action)
-            step += 1
-
-    def _with_update(self, step: int, action: _Action):
-        yield step, action
-        if self.order.updates_after(action, self.m):
-            yield step, _Action(action.stage_index, REDUCE_GRAD, action.microbatch_index)
+            actions = self._step_actions(rank, step)
+            for i in range(index, len(actions)):
+                self._cursor[rank] = (step, i)
+                yield step, actions[i]
+            step, index = step + 1, 0
+        self._cursor[rank] = (step, 0)
 
     @property
     def n_steps(self) -> int:
@@ -177,19 +176,14 @@ class SegmentPrograms:
 
     @n_steps.setter
     def n_steps(self, n_steps: int) -> None:
-        changed = min(n_steps, self._n_steps) - 1  # the first segment that differs
+        first_changed = min(n_steps, self._n_steps) - 1  # the last step's segment has no forwards ahead
+        placed = [r for r in range(self.pp_size) if self._planner.last_placed_segment(r) >= first_changed]
+        if n_steps != self._n_steps and placed:
+            raise RuntimeError(f"the run cannot end after {n_steps} steps: ranks {placed} have planned beyond")
         self._n_steps = n_steps
-        if any(k >= changed for k in self._generated.values()):
-            planned, self._planned = self._planned, {}
-            self._planner = self._new_planner()
-            for rank, programs in planned.items():
-                for step, program in enumerate(programs, start=self._start):
-                    if self.program(rank, step) != program:
-                        raise RuntimeError(f"the run cannot end after {n_steps} steps: rank {rank}'s step {step} "
-                                           "already ran a program that differs")
+        for rank, (step, index) in self._cursor.items():
+            self._planner.restart(rank, self._actions_of(rank, step, index))
 
     def program(self, rank: int, step: int) -> list[_Action | P2PBatch]:
         """Rank `rank`'s program for step `step` (call for consecutive steps from `start_step`)."""
-        program = self._planner.program(rank, step)
-        self._planned.setdefault(rank, []).append(program)
-        return program
+        return self._planner.program(rank, step)

@@ -25,7 +25,9 @@ message) keep their place; they run after the sends of the compute before them.
 
 Asynchronous orders are continuous: their ranks' actions come lazily, tagged with the step
 (segment) they belong to, and a rank's program for step k is handed out once nothing more can be
-appended to it (the rank has started step k + 1, or has nothing left).
+appended to it. Segment k is played to its end on every rank before any rank places an action
+of segment k + 1, so the play does not depend on which ranks ask for programs, and a step not yet
+played may still be redefined (an early stop).
 """
 
 from __future__ import annotations
@@ -125,8 +127,12 @@ class CommPlanner:
         return True
 
     def _emit(self, rank: int, entry) -> None:
+        """Append to the rank's program, in the segment of the action it runs next: a receive
+        appended while a rank has finished step k is posted at the start of step k + 1, whenever
+        step k's program was handed out."""
         if rank in self._keep:
-            self._program[rank].append((self._segment[rank], entry))
+            head = self._next[rank]
+            self._program[rank].append((self._segment[rank] if head is None else head[0], entry))
 
     def _check_buffer(self, rank: int, leaf: _Action, what: str) -> None:
         if self.n_slots is None:
@@ -165,22 +171,34 @@ class CommPlanner:
         self._emit(rank, send)
         self._emit(receiver, receive)
 
-    def _round(self) -> bool:
-        """Each rank places its next action if it can; True if any did."""
+    def _round(self, horizon: int) -> bool:
+        """Each rank places its next action if it can and it belongs to a segment up to `horizon`;
+        True if any did."""
         moved = False
         for rank in self.ranks:
             head = self._next[rank]
-            if head is not None and (not is_compute(head[1]) and head[1].sub_actions is None or self._ready(head[1])):
+            if head is not None and head[0] <= horizon and (
+                    not is_compute(head[1]) and head[1].sub_actions is None or self._ready(head[1])):
                 self._place(rank, *head)
                 self._next[rank] = self._pull(rank)
                 moved = True
         return moved
 
+    def last_placed_segment(self, rank: int) -> int:
+        return self._segment[rank]
+
+    def restart(self, rank: int, actions: Iterator[tuple[int, _Action]]) -> None:
+        """Continue rank `rank`'s order from `actions` (which must start at its next, unplaced action)."""
+        self._actions[rank] = actions
+        self._next[rank] = self._pull(rank)
+
     def program(self, rank: int, segment: int) -> list[_Action | P2PBatch]:
         """Rank `rank`'s program for `segment` (call for its segments in order): its actions with the
         sends and receives between them, consecutive ones merged into one batch."""
-        while self._next[rank] is not None and self._next[rank][0] <= segment:
-            if not self._round():
+        # Every rank plays `segment` to its end, none beyond: the play is then the same whichever ranks
+        # ask, and later segments may still be redefined (an early stop).
+        while any(head is not None and head[0] <= segment for head in self._next.values()):
+            if not self._round(horizon=segment):
                 stuck = {r: str(h[1]) for r, h in self._next.items() if h is not None}
                 raise PlanError(f"the order cannot run: every rank waits for an input that never comes: {stuck}")
         entries = self._program[rank]
