@@ -6,27 +6,82 @@ staleness emulator (optim/delay.py), each stage has its own optimizer, LR schedu
 clipping, and stages update per minibatch or per microbatch as the schedule does. So a researcher
 without a pipeline runs the experiment a pipeline would: PipeDream-2BW (every stage one update
 stale), WPipe (first half stale, second half fresh) or PipeDream (stage s p−1−s updates stale).
+
+DeepSeek-V3's routing biases follow the rule of their stage's weights (models/routing_bias.py): a
+unit routes with the biases its weights' version had (d updates old), and the bias update of a
+minibatch, from the loads of its own microbatches, comes with its (last) weight update. The emulator
+keeps its own history of bias versions (`_DelayedRoutingBiases`), independently of the pipeline's
+weight-version buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from .models.routing_bias import nudge_biases
 from .optim.delay import StalenessEmulator
 
 __all__ = ["EmulatedPipeline"]
 
 
+class _DelayedRoutingBiases:
+    """One stage's routing biases under its weights' delay d: the last d + 1 versions are kept (one
+    appended per unit, as the staleness emulator does for the weights), each unit routes with the
+    oldest, and a minibatch's bias update is applied after its last unit's weight update."""
+
+    def __init__(self, counter, delay: int):
+        self.counter = counter
+        self.history = deque([self._current()], maxlen=delay + 1)
+        self.skipped = False  # a unit of the current minibatch had its update skipped
+
+    def _current(self) -> list[torch.Tensor]:
+        return [r.e_score_correction_bias.detach().clone() for r in self.counter.routers]
+
+    @contextlib.contextmanager
+    def stale_biases(self):
+        """Run the unit's forward and backward inside: each router holds its bias of version t − d."""
+        current = self._current()
+        self._set(self.history[0])
+        try:
+            yield
+        finally:
+            self._set(current)
+
+    @torch.no_grad()
+    def _set(self, biases: list[torch.Tensor]) -> None:
+        for router, bias in zip(self.counter.routers, biases):
+            router.e_score_correction_bias.copy_(bias)
+
+    def after_unit(self, applied: bool, ends_minibatch: bool, n_microbatches: int, rate: float, dp_group) -> None:
+        self.skipped |= not applied
+        if ends_minibatch:
+            loads = self.counter.take_oldest(n_microbatches)
+            if self.counter.n_recorded():
+                raise RuntimeError("routing loads were counted beyond the minibatch's microbatches")
+            if not self.skipped:
+                nudge_biases(self.counter.routers, loads, rate, dp_group)
+            self.skipped = False
+        self.history.append(self._current())
+
+
 class EmulatedPipeline:
-    def __init__(self, modules, stage_ids: list[int], order, depth: int, n_microbatches: int, updaters: list):
+    def __init__(self, modules, stage_ids: list[int], order, depth: int, n_microbatches: int, updaters: list,
+                 router_bias_update_rate: float = 0.0, dp_group=None):
         self.modules, self.stage_ids, self.order, self.m = modules, stage_ids, order, n_microbatches
         self.updaters = updaters
+        delays = [order.delay(stage, depth, n_microbatches) for stage in stage_ids]
         self.emulators = [
-            StalenessEmulator(updater.stepper, dict.fromkeys(updater.params, order.delay(stage, depth, n_microbatches)))
-            for updater, stage in zip(updaters, stage_ids)
+            StalenessEmulator(updater.stepper, dict.fromkeys(updater.params, delay))
+            for updater, delay in zip(updaters, delays)
+        ]
+        self.bias_rate, self.dp_group = router_bias_update_rate, dp_group
+        self.biases = [
+            _DelayedRoutingBiases(module.routing_load, delay) if getattr(module, "routing_load", None) else None
+            for module, delay in zip(modules, delays)
         ]
 
     def forward(self, rows: torch.Tensor):
@@ -42,18 +97,25 @@ class EmulatedPipeline:
 
     def run_step(self, rows: torch.Tensor, loss_fn: Callable, apply_update: Callable) -> dict[int, int]:
         """One minibatch: forward/backward on each stage's stale version, then every stage's update
-        (`apply_update(updater, emulator)`, which steps or skips through it), once or after each microbatch. Returns the
-        weight-version age per stage."""
+        (`apply_update(updater, emulator)`, which steps or skips through it and returns whether it
+        applied it), once or after each microbatch, each followed by the stage's routing-bias update
+        when it ends the minibatch. Returns the weight-version age per stage."""
         ages = {stage: emulator.version_age() for stage, emulator in zip(self.stage_ids, self.emulators)}
         units = [[mb] for mb in rows.chunk(self.m)] if self.order.per_microbatch_updates else [rows.chunk(self.m)]
-        for unit in units:
+        for biases in filter(None, self.biases):
+            biases.counter.reset()  # count this minibatch's forwards only (not an evaluation's)
+        for t, unit in enumerate(units):
             for emulator in self.emulators:
                 emulator.zero_grad()
             with contextlib.ExitStack() as stack:
                 for emulator in self.emulators:
                     stack.enter_context(emulator.stale_weights())
+                for biases in filter(None, self.biases):
+                    stack.enter_context(biases.stale_biases())
                 for microbatch in unit:
                     self._forward_backward(microbatch, loss_fn, 1.0 / len(unit))
-            for updater, emulator in zip(self.updaters, self.emulators):
-                apply_update(updater, emulator)
+            for updater, emulator, biases in zip(self.updaters, self.emulators, self.biases):
+                applied = apply_update(updater, emulator)
+                if biases:
+                    biases.after_unit(applied, t == len(units) - 1, self.m, self.bias_rate, self.dp_group)
         return ages

@@ -26,6 +26,7 @@ from .memory import state_bytes
 from .metrics import ComputeTimer, ReducedStepStats, StepResult, idle_fraction
 from .models import build_stage_modules, plan_stages
 from .models.pipeline_loss import PipelineLoss
+from .models.routing_bias import nudge_biases
 from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
@@ -116,7 +117,8 @@ class PipelineEngine:
         ]
         self.timer = ComputeTimer(self.stages)
         timed_loss = self.timer.timed(self.loss_fn)
-        self.emulated = EmulatedPipeline(self.modules, self.stage_ids, order, depth, m, self.updaters) if emulating else None
+        self.emulated = EmulatedPipeline(self.modules, self.stage_ids, order, depth, m, self.updaters,
+                                         config.router_bias_update_rate, layout.dp_group) if emulating else None
         if emulating:
             self.schedule = None
         elif self.versioned:
@@ -127,6 +129,12 @@ class PipelineEngine:
             self.schedule = build_schedule(self.spec, self.stages, m, timed_loss)
         self._routing_load_counters = [(s, m.routing_load) for s, m in zip(self.stage_ids, self.modules)
                                        if m.routing_load is not None]
+        # Asynchronous pipeline: a minibatch's routing-bias update comes with its weight update
+        # (_update_stage), from the loads of its own microbatches' forwards (models/routing_bias.py).
+        self._bias_update_skipped = dict.fromkeys(self.stage_ids, False)
+        for stage, module in zip(self.stages if self.versioned else (), self.modules):
+            if module.routing_load is not None:
+                module.routing_load.count_only_microbatches_of(stage)
         self._unfinished: list[ReducedStepStats] = []
         self.guard = NonFiniteGuard(config.nonfinite_policy, config.nonfinite_skip_limit, n_stages - 1)
         self.termination = TerminationRequest()  # the loop installs its SIGTERM handler
@@ -150,12 +158,12 @@ class PipelineEngine:
         target = rows if self.holds_last_stage else None
         self.schedule.step(*args, target=target, return_outputs=False)  # logits are not kept
 
-    def _apply_update(self, updater: "_Updater", stepper=None) -> None:
+    def _apply_update(self, updater: "_Updater", stepper=None) -> bool:
         """Average gradients over dp, clip, step the optimizer (through `stepper`: the emulator, when
         emulating) and the LR schedule. A non-finite gradient norm skips the update: weights,
         optimizer and EF state and the LR schedule stay as they are (the pipeline still publishes its
         unchanged master as the next version, and the emulator counts one), so the run continues as
-        if this update had never been computed."""
+        if this update had never been computed. Returns whether the update was applied."""
         self._average_gradients_over_dp(updater.params)
         local_sq, norm = self._gradient_norm(updater)
         self._step_sq_norms.setdefault(updater.stage, []).append(local_sq)
@@ -167,12 +175,13 @@ class PipelineEngine:
                 stepper.skip()
             for stage in updater.stages:
                 self._step_skipped[stage] = self._step_skipped.get(stage, 0) + 1
-            return
+            return False
         if self.config.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(updater.params, self.config.max_grad_norm,
                                                  torch.tensor(norm, dtype=torch.float32), foreach=True)
         stepper.step()
         updater.lr_scheduler.step()
+        return True
 
     def _update_stage(self, stage: int, version: int, grad_scale: float) -> None:
         """One update of local stage `stage` from the gradient taken at weight `version` (called by
@@ -182,8 +191,25 @@ class PipelineEngine:
         order, pp_size, m = self.spec.order, self.layout.pp_size, self.config.n_microbatches
         versioned.move_gradients_to_master(order.buffer(stage, pp_size, version, m), grad_scale)
         self._step_ages[stage] = max(self._step_ages.get(stage, 0), versioned.master_version - version)
-        self._apply_update(updater)
+        applied = self._apply_update(updater)
+        self._update_routing_biases(index, versioned.master_version, applied)
         versioned.publish_master(order.buffer(stage, pp_size, versioned.master_version + 1, m))
+
+    def _update_routing_biases(self, index: int, unit: int, applied: bool) -> None:
+        """Asynchronous pipeline, local stage `index` has just applied the update of unit `unit`:
+        if that completes a minibatch, its routing-bias update, from the loads of that minibatch's
+        forwards (the oldest ones counted), published with the weights as the next version. A
+        minibatch with a skipped (non-finite) update leaves the biases as they are."""
+        counter, stage, m = self.modules[index].routing_load, self.stage_ids[index], self.config.n_microbatches
+        if counter is None:
+            return
+        self._bias_update_skipped[stage] |= not applied
+        if self.spec.order.per_microbatch_updates and unit % m != m - 1:
+            return
+        loads = counter.take_oldest(m)
+        if not self._bias_update_skipped[stage]:
+            nudge_biases(counter.routers, loads, self.config.router_bias_update_rate, self.layout.dp_group)
+        self._bias_update_skipped[stage] = False
 
     def _average_gradients_over_dp(self, params: list[torch.nn.Parameter]) -> None:
         if self.layout.dp_size == 1 or self.fsdp_managed:  # FSDP reduce-scattered and averaged them
@@ -225,7 +251,8 @@ class PipelineEngine:
         self._step_sq_norms, self._step_ages, self._step_skipped, self._step_nonfinite_stages = {}, {}, {}, set()
         for updater in self.updaters:
             updater.optimizer.zero_grad(set_to_none=True)
-        for _, counter in self._routing_load_counters:
+        synchronous = not (self.versioned or self.emulated)  # which update routing biases here, per step
+        for _, counter in self._routing_load_counters if synchronous else ():
             counter.reset()
         lr = self.updaters[0].optimizer.param_groups[0]["lr"]
         # Weight-version age: updates between the weights a gradient was taken at and those it updates.
@@ -242,7 +269,7 @@ class PipelineEngine:
             busy = self.timer.take()
             self._apply_update(self.updaters[0])
             self._step_ages = dict.fromkeys(self.stage_ids, 0)
-        for stage, counter in self._routing_load_counters:
+        for stage, counter in self._routing_load_counters if synchronous else ():
             if stage not in self._step_skipped:  # a skipped minibatch leaves the routing biases too
                 counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
         self.step_count += 1
@@ -319,9 +346,11 @@ class PipelineEngine:
         if 0 < self.step_count < self.last_step and not self._units_end_at_step_boundaries():
             raise RuntimeError(f"{self.spec.name} straddles its updates across step boundaries: some stages have "
                                "applied the last minibatch and others not, so only the final weights can be evaluated")
-        if self._eval_schedule is None:  # its own stages and loss: the training runtime's state is untouched
+        if self._eval_schedule is None:
+            # Its own stages, loss and process group: the training runtime's state and its messages
+            # in flight are untouched (NCCL would match an evaluation receive to a training send).
             self._eval_loss_fn = PipelineLoss(self.loss_fn.vocab_size, self.loss_fn.aux_coef)
-            stages = [PipelineStage(v, s, len(self.plan), self.layout.device, group=self.layout.pp_group)
+            stages = [PipelineStage(v, s, len(self.plan), self.layout.device, group=self.layout.eval_pp_group)
                       for v, s in zip(self.versioned, self.stage_ids)]
             self._eval_schedule = build_eval_schedule(stages, self.config.n_microbatches, self._eval_loss_fn)
         with contextlib.ExitStack() as masters:

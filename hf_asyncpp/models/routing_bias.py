@@ -1,11 +1,26 @@
-"""Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert routing bias nudged after each step.
+"""Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert routing bias nudged after each update.
 
 DeepSeek-V3's router picks experts by `sigmoid(logits) + e_score_correction_bias`; the bias only
 steers selection, not the gating weights. After every optimizer step each expert's bias moves by
 the update rate γ toward balance: +γ if the expert received fewer tokens than the mean over experts
 in that step, −γ if more (DeepSeek-V3 report, §2.1.2; γ = 0.001 for most of its training).
 transformers runs the biased routing but never updates the bias; this module does, counting the
-tokens each router sends to each expert over the step's microbatches and all dp replicas.
+tokens each router sends to each expert over a minibatch's microbatches and all dp replicas.
+
+When the bias moves follows the weights' update rule (the bias is a persistent buffer of the stage):
+
+  - synchronous schedules: after the step's update, from the loads of the step's minibatch
+    (`update_biases`, the newest n_microbatches forward calls);
+  - asynchronous schedules: minibatch k's bias update is computed from the loads of minibatch k's
+    own forwards and applied together with minibatch k's weight update (PipeDream, which updates per
+    microbatch: with the update of its last microbatch, so γ stays a per-minibatch step), so b_{v+1} = b_v + γ·sign(mean − load_k) whenever
+    weight version v + 1 is x_v − U(g_k). The bias is versioned with the weights
+    (schedules/weight_versions.py): a microbatch routes, forward and backward, with the bias of the
+    weight version it is bound to. A stage's microbatches are forwarded in the order of their ids, so
+    the pipeline takes the oldest n_microbatches recorded calls (`take_oldest`) when minibatch k's
+    update is due, while forwards of minibatch k + 1 are already recorded behind them. Only the
+    forwards the training stage runs for microbatches count (`count_only_microbatches_of`): torch's
+    shape inference and evaluation also run the stage's forward.
 """
 
 from __future__ import annotations
@@ -14,7 +29,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["RoutingLoadCounter"]
+__all__ = ["RoutingLoadCounter", "nudge_biases"]
+
+
+@torch.no_grad()
+def nudge_biases(routers: list[nn.Module], loads: torch.Tensor, rate: float, dp_group) -> None:
+    """One bias update: `loads` (routers × experts, this rank's token counts) summed over the dp
+    group, then each expert's bias moves by `rate` toward the mean load (+ below it, − above it)."""
+    if not routers:
+        return
+    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(loads, group=dp_group)
+    for router, load in zip(routers, loads):
+        bias = router.e_score_correction_bias
+        bias += rate * torch.sign(load.mean() - load).to(bias.dtype)
 
 
 class RoutingLoadCounter:
@@ -25,30 +53,66 @@ class RoutingLoadCounter:
             m for m in module.modules() if isinstance(m, router_class) and hasattr(m, "e_score_correction_bias")
         ]
         self._calls: dict[int, list[torch.Tensor]] = {id(r): [] for r in self.routers}
+        self._only_microbatches = False  # set by count_only_microbatches_of
+        self._in_microbatch = False
         for router in self.routers:
             router.register_forward_hook(self._record)
 
     def _record(self, router, args, output):
+        if self._only_microbatches and not self._in_microbatch:
+            return
         top_k_indices = output[2]
         counts = torch.bincount(top_k_indices.reshape(-1), minlength=router.num_experts)
         self._calls[id(router)].append(counts.to(torch.float64))
+
+    def count_only_microbatches_of(self, stage) -> None:
+        """From now on count only the forwards torch's PipelineStage `stage` (whose submodule holds
+        these routers) runs for microbatches (`forward_one_chunk`): not its shape inference, nor
+        forwards through other stages over the same module (evaluation)."""
+        if not self.routers:
+            return
+        self._only_microbatches = True
+        forward = stage.forward_one_chunk
+
+        def counted_forward(*args, **kwargs):
+            self._in_microbatch = True
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._in_microbatch = False
+
+        stage.forward_one_chunk = counted_forward
 
     def reset(self) -> None:
         for calls in self._calls.values():
             calls.clear()
 
+    def n_recorded(self) -> int:
+        return min((len(c) for c in self._calls.values()), default=0)
+
+    def take_oldest(self, n: int) -> torch.Tensor:
+        """The loads (routers × experts) of the oldest n recorded forward calls, which are dropped."""
+        if not self.routers:
+            return torch.zeros(0)
+        if self.n_recorded() < n:
+            raise RuntimeError(f"a routing-bias update needs the loads of {n} microbatches, but only "
+                               f"{self.n_recorded()} forwards were counted")
+        loads = torch.stack([sum(self._calls[id(r)][:n]) for r in self.routers])
+        for calls in self._calls.values():
+            del calls[:n]
+        return loads
+
+    def take_newest(self, n: int) -> torch.Tensor:
+        """The loads (routers × experts) of the newest n recorded forward calls; all are dropped."""
+        loads = torch.stack([sum(self._calls[id(r)][-n:]) for r in self.routers])
+        self.reset()
+        return loads
+
     @torch.no_grad()
     def update_biases(self, rate: float, n_microbatches: int, dp_group) -> None:
-        """Apply one step's update from the last n_microbatches forward calls of each router.
-
-        (torch's stage runs one extra forward on its first step to infer shapes; counting only the
-        last n calls keeps that out.)"""
+        """Synchronous schedules: apply one step's update from the last n_microbatches forward calls of
+        each router (torch's stage runs one extra forward on its first step to infer shapes; counting
+        only the last n calls keeps that out)."""
         if not self.routers:
             return
-        loads = torch.stack([sum(self._calls[id(r)][-n_microbatches:]) for r in self.routers])
-        if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(loads, group=dp_group)
-        for router, load in zip(self.routers, loads):
-            bias = router.e_score_correction_bias
-            bias += rate * torch.sign(load.mean() - load).to(bias.dtype)
-        self.reset()
+        nudge_biases(self.routers, self.take_newest(n_microbatches), rate, dp_group)

@@ -4,15 +4,24 @@ The stage's own parameters are the optimizer's master copy: the newest weights, 
 Forward passes never read them. Each forward runs through `torch.func.functional_call` on the
 compute copy of one of a few version buffers, so autograd saves references to that copy and the
 microbatch's backward sees exactly the weights its forward saw (weight stashing). Gradients
-accumulate in the compute copy's `.grad`; an optimizer step moves them to the master, steps it, and
-copies the new master into a buffer no in-flight microbatch is bound to. Nothing a pending backward
-still needs is ever written in place.
+accumulate over a step's microbatches in fp32 (or the compute copy's own dtype when wider): in the
+compute copy's `.grad` when it is fp32, and otherwise (bf16 / fp16 compute) in one fp32 sum per
+buffer and parameter, which a post-accumulate-grad hook on the compute copy feeds with each
+microbatch's gradient and then frees it (as FSDP2 does for synchronous stages). An optimizer step
+moves the sum to the master (the fp32 sum itself becomes the master's `.grad` when unsharded), steps
+it, and copies the new master into a buffer no in-flight microbatch is bound to. Nothing a pending
+backward still needs is ever written in place.
 
 Unsharded fp32 stages compute on the buffers themselves. When the stage is sharded over dp (the
 master and the buffers are DTensors holding 1/dp of the rows, parallel/fsdp.py) or computes in
 bf16, a buffer's compute copy is gathered (and cast) at its first forward, kept while microbatches
 use it, dropped when the buffer is overwritten; its accumulated gradient is reduce-scattered in
 fp32 and averaged over dp on its way to the master (what FSDP2 does with reshard_after_forward=False).
+
+Persistent buffers that training changes (DeepSeek-V3's routing biases, updated with the weights:
+models/routing_bias.py) are versioned with the weights: each version buffer holds them beside the
+parameters, a microbatch routes with those of its version, and `publish_master` copies them from the
+module with the new master weights. They are never gathered, cast or given gradients.
 
 Evaluation binds the stage to its master (`MASTER`): the newest weights, gathered whole (no gradient)
 for the duration of `evaluating_master()`, while the version buffers and in-flight microbatches stay
@@ -44,15 +53,25 @@ class VersionedStage(nn.Module):
         self.compute_dtype = compute_dtype
         self._fp32_patterns = tuple(getattr(inner, "fp32_patterns", ()))
         self._trainable = {n: p.requires_grad for n, p in inner.named_parameters()}
+        buffers = dict(inner.named_buffers())
+        self._versioned_buffers = [n for n in inner.state_dict(keep_vars=True) if n in buffers]  # persistent ones
         self.buffers_ = [self._copy_of_master() for _ in range(n_buffers)]
         self._compute: list[dict[str, torch.Tensor] | None] = [None] * n_buffers
+        # Per buffer: fp32 sums of the gradients of its low-precision compute copy (filled by hooks;
+        # emptied, never replaced, so a hook holds its dict and nothing else: no reference cycles).
+        self._grad_sums: list[dict[str, torch.Tensor]] = [{} for _ in range(n_buffers)]
         self.master_version = 0  # updates applied to the master so far
         self.active: int | str = 0
         self._master_copy: dict[str, torch.Tensor] | None = None
 
+    def _master_state(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the master weights and of the versioned buffers."""
+        buffers = dict(self.inner.named_buffers())
+        return [*self.inner.named_parameters(), *((n, buffers[n]) for n in self._versioned_buffers)]
+
     def _copy_of_master(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().requires_grad_(p.requires_grad and not self._gathers(p))
-                for n, p in self.inner.named_parameters()}
+                for n, p in self._master_state()}
 
     def _gathers(self, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, DTensor) or self.compute_dtype not in (None, tensor.dtype)
@@ -60,13 +79,26 @@ class VersionedStage(nn.Module):
     def compute_copy(self, buffer: int) -> dict[str, torch.Tensor]:
         """The tensors forward and backward of microbatches bound to `buffer` run on."""
         if self._compute[buffer] is None:
-            self._compute[buffer] = {n: self._whole(v, keeps_fp32(n, self._fp32_patterns), self._trainable[n])
+            self._compute[buffer] = {n: v if n in self._versioned_buffers else
+                                     self._whole(v, keeps_fp32(n, self._fp32_patterns), self._trainable[n])
                                      for n, v in self.buffers_[buffer].items()}
+            sums = self._grad_sums[buffer]
+            for name, tensor in self._compute[buffer].items():
+                if tensor.requires_grad and torch.finfo(tensor.dtype).bits < 32:  # bf16 / fp16 compute
+                    tensor.register_post_accumulate_grad_hook(_adder_into(sums, name))
         return self._compute[buffer]
 
+    def gradient_sums(self, buffer: int) -> dict[str, torch.Tensor]:
+        """The fp32 gradient sums of `buffer`'s low-precision compute copy since its last move to the
+        master ({} when there are none, e.g. under fp32 compute, where `.grad` is the sum)."""
+        return self._grad_sums[buffer]
+
     def drop_compute_copies(self) -> None:
-        """Forget every gathered compute copy (the buffers were overwritten, e.g. by a checkpoint load)."""
+        """Forget every gathered compute copy and gradient sum (the buffers were overwritten, e.g. by a
+        checkpoint load)."""
         self._compute = [None] * len(self._compute)
+        for sums in self._grad_sums:
+            sums.clear()
 
     def live_compute_copies(self) -> list[dict[str, torch.Tensor]]:
         """The gathered (or cast) compute copies that exist now (none for unsharded fp32 stages)."""
@@ -102,11 +134,13 @@ class VersionedStage(nn.Module):
     @torch.no_grad()
     def move_gradients_to_master(self, buffer: int, scale: float) -> None:
         """master.grad = scale × the gradient accumulated on `buffer` (averaged over dp when sharded);
-        the buffer's gradient is cleared."""
-        computed = self.compute_copy(buffer)
+        the buffer's gradient and its fp32 sums are cleared."""
+        computed, sums = self.compute_copy(buffer), self._grad_sums[buffer]
         for name, param in self.inner.named_parameters():
-            grad = computed[name].grad
+            grad, residual = sums.pop(name, None), computed[name].grad
             computed[name].grad = None
+            if residual is not None:  # fp32 compute tensors sum in .grad (bf16 ones only if a hook was bypassed)
+                grad = residual if grad is None else grad.add_(residual)
             if grad is None or not param.requires_grad:
                 param.grad = None
             elif isinstance(param, DTensor):
@@ -114,14 +148,29 @@ class VersionedStage(nn.Module):
                 partial = DTensor.from_local(grad.float(), mesh, [Partial("sum")], run_check=False)
                 param.grad = partial.redistribute(mesh, param.placements).mul_(scale / mesh.size())
             else:
-                param.grad = grad.to(param.dtype).mul_(scale)
+                param.grad = grad.to(param.dtype).mul_(scale)  # unsharded: the fp32 sum itself, no copy
+        sums.clear()
 
     @torch.no_grad()
     def publish_master(self, buffer: int) -> None:
-        """Count the update just applied to the master and copy the new weights into `buffer`
-        (no microbatch may be bound to it)."""
+        """Count the update just applied to the master and copy the new weights (and versioned
+        buffers) into `buffer` (no microbatch may be bound to it)."""
         self.master_version += 1
         versions = self.buffers_[buffer]
-        for name, param in self.inner.named_parameters():
+        for name, param in self._master_state():
             versions[name].copy_(param)
         self._compute[buffer] = None  # gathered again at the buffer's next forward
+
+
+def _adder_into(sums: dict[str, torch.Tensor], name: str):
+    """A post-accumulate-grad hook: add the compute copy's fresh (bf16) gradient into the fp32
+    `sums[name]` and free it, so no low-precision gradient outlives its microbatch's backward."""
+
+    def add(tensor: torch.Tensor) -> None:
+        if name in sums:
+            sums[name].add_(tensor.grad)  # bf16 → fp32 is exact; the sum rounds in fp32
+        else:
+            sums[name] = tensor.grad.to(torch.float32)
+        tensor.grad = None
+
+    return add
