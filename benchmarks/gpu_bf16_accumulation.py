@@ -97,16 +97,16 @@ def main() -> None:
         loss_of(functional_call(block, leaves, (x,))).backward()
         per_microbatch.append({n: leaves[n].grad for n in names})
 
-    def summed(dtype):
+    def summed(grads, dtype):
         out = {}
         for n in names:
-            total = per_microbatch[0][n].to(dtype)
-            for g in per_microbatch[1:]:
+            total = grads[0][n].to(dtype)
+            for g in grads[1:]:
                 total = total + g[n].to(dtype)
             out[n] = total.double() / m
         return out
 
-    exact, fp32_sum, bf16_sum = summed(torch.float64), summed(torch.float32), summed(torch.bfloat16)
+    exact, fp32_sum, bf16_sum = (summed(per_microbatch, dtype) for dtype in (torch.float64, torch.float32, torch.bfloat16))
     del per_microbatch
 
     stage = VersionedStage(block, n_buffers=1, compute_dtype=torch.bfloat16)

@@ -18,11 +18,11 @@ from tests.test_engine import small_model_config
 SEQ, MBS, M, STEPS, AT = 16, 2, 4, 6, 3
 
 
-def _config(layout, schedule, optimizer, ef, output_dir, **extra):
+def _config(layout, schedule, optimizer, ef, output_dir, preset="tiny-qwen3-moe", **extra):
     from hf_asyncpp.config import TrainConfig
 
     lr = {"adamw": 3e-3, "muon": 2e-2, "soap": 3e-3, "sgd": 0.3, "lion": 3e-4}[optimizer]
-    return TrainConfig(model_config="tiny-qwen3-moe", pp_size=layout.pp_size, schedule=schedule, optimizer=optimizer,
+    return TrainConfig(model_config=preset, pp_size=layout.pp_size, schedule=schedule, optimizer=optimizer,
                        learning_rate=lr, ef=ef, seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=3,
                        max_steps=STEPS, warmup_steps=2, output_dir=output_dir, **extra)
 
@@ -39,7 +39,7 @@ def _steps(engine, rows, start, stop):
     return [engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None).loss for k in range(start, stop)]
 
 
-def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, part):
+def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, part, preset="tiny-qwen3-moe"):
     """One process-group lifetime, as a real run: "straight" (all steps), "first" (steps 0..AT−1,
     then save) or "resumed" (load, then the remaining steps). Returns losses and weight digests."""
     import hashlib
@@ -51,8 +51,9 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
 
     layout = init_parallel(read_launch(), pp_size)
     try:
-        model_config = small_model_config("tiny-qwen3-moe")
-        config = _config(layout, schedule, optimizer, ef, output_dir)
+        model_config = small_model_config(preset)
+        # A large routing-bias step makes DeepSeek-V3's versioned biases matter within a few steps.
+        config = _config(layout, schedule, optimizer, ef, output_dir, preset, router_bias_update_rate=0.05)
         rows = _rows(layout, model_config.vocab_size)
         engine = PipelineEngine(config, model_config, layout)
         start, stop = {"straight": (0, STEPS), "first": (0, AT), "resumed": (AT, STEPS)}[part]
@@ -70,21 +71,26 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size, pp_size, schedule, optimizer, ef", [
-    (2, 2, "1f1b", "adamw", False),
-    (2, 1, "gpipe", "muon", True),  # dp 2, sharded with FSDP2: optimizer state and EF as DTensors
-    (2, 2, "interleaved-1f1b", "soap", False),
-    (2, 1, "gpipe", "soap", False),  # dp 2: square matrices' factors stay whole, their moments sharded
-    (2, 2, "pipedream-2bw", "adamw", True),
-    (4, 2, "pipedream-2bw", "muon", True),  # pp 2 × dp 2: sharded weight versions
-    (4, 4, "pipedream", "sgd", False),  # per-microbatch updates; three stages have forwards in flight
+@pytest.mark.parametrize("world_size, pp_size, schedule, optimizer, ef, preset", [
+    (2, 2, "1f1b", "adamw", False, "tiny-qwen3-moe"),
+    (2, 1, "gpipe", "muon", True, "tiny-qwen3-moe"),  # dp 2, sharded with FSDP2: optimizer state and EF as DTensors
+    (2, 2, "interleaved-1f1b", "soap", False, "tiny-qwen3-moe"),
+    (2, 1, "gpipe", "soap", False, "tiny-qwen3-moe"),  # dp 2: square matrices' factors stay whole, their moments sharded
+    (2, 2, "pipedream-2bw", "adamw", True, "tiny-qwen3-moe"),
+    (4, 2, "pipedream-2bw", "muon", True, "tiny-qwen3-moe"),  # pp 2 × dp 2: sharded weight versions
+    (4, 4, "pipedream", "sgd", False, "tiny-qwen3-moe"),  # per-microbatch updates; three stages have forwards in flight
+    # DeepSeek-V3: stage 0 saved with minibatch 3 forwarded on version 2 (weights and routing biases)
+    # while its master is version 3; the replay must route with version 2's biases
+    (2, 2, "pipedream-2bw", "adamw", False, "tiny-deepseek-v3"),
 ])
-def test_a_resumed_run_continues_bitwise(tmp_path, world_size, pp_size, schedule, optimizer, ef):
+def test_a_resumed_run_continues_bitwise(tmp_path, world_size, pp_size, schedule, optimizer, ef, preset):
     args = (world_size, _run_part, pp_size, schedule, optimizer, ef, str(tmp_path))
-    straight, first, resumed = (run_ranks(*args, part) for part in ("straight", "first", "resumed"))
+    straight, first, resumed = (run_ranks(*args, part, preset) for part in ("straight", "first", "resumed"))
     for rank in range(world_size):
         assert first[rank]["losses"] + resumed[rank]["losses"] == straight[rank]["losses"], rank
         assert resumed[rank]["digests"] == straight[rank]["digests"], rank
+    if preset == "tiny-deepseek-v3":
+        assert any(n.endswith("e_score_correction_bias") for n in straight[0]["digests"])
 
 
 def _train_and_save(rank, world_size, output_dir):

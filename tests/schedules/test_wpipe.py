@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining.schedules import FORWARD
 
-from hf_asyncpp.schedules import SCHEDULES, ScheduleError, check_schedule
+from hf_asyncpp.schedules import SCHEDULES
 from hf_asyncpp.schedules.async_order import check_versions
 from hf_asyncpp.schedules.wpipe import WPIPE
 
