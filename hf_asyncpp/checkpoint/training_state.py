@@ -6,7 +6,8 @@ one (pp, dp) layout loads into another where the tensors mean the same thing:
   model.<name>                     master weights and persistent buffers (routing biases)
   optim.<name>.<key>               the optimizer's state of that parameter (moments, factors, steps)
   ef.<name>                        Error Feedback's previous update
-  versions.<stage>.<buffer>.<name> an asynchronous stage's stashed weight versions
+  versions.<stage>.<buffer>.<name> an asynchronous stage's stashed weight versions (and versioned
+                                   buffers: DeepSeek-V3's routing biases)
   updater.<stage>                  LR schedule state and optimizer hyperparameters of the updater that
                                    steps stage <stage> (and the stages updated with it)
   stage.<stage>                    an asynchronous stage's update count (its master version)
