@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import torch
 
-from .models.routing_bias import nudge_biases
 from .optim.delay import StalenessEmulator
 
 __all__ = ["EmulatedPipeline"]
@@ -36,7 +35,6 @@ class _DelayedRoutingBiases:
     def __init__(self, counter, delay: int):
         self.counter = counter
         self.history = deque([self._current()], maxlen=delay + 1)
-        self.skipped = False  # a unit of the current minibatch had its update skipped
 
     def _current(self) -> list[torch.Tensor]:
         return [r.e_score_correction_bias.detach().clone() for r in self.counter.routers]
@@ -57,14 +55,9 @@ class _DelayedRoutingBiases:
             router.e_score_correction_bias.copy_(bias)
 
     def after_unit(self, applied: bool, ends_minibatch: bool, n_microbatches: int, rate: float, dp_group) -> None:
-        self.skipped |= not applied
-        if ends_minibatch:
-            loads = self.counter.take_oldest(n_microbatches)
-            if self.counter.n_recorded():
-                raise RuntimeError("routing loads were counted beyond the minibatch's microbatches")
-            if not self.skipped:
-                nudge_biases(self.counter.routers, loads, rate, dp_group)
-            self.skipped = False
+        self.counter.after_update(applied, ends_minibatch, n_microbatches, rate, dp_group)
+        if ends_minibatch and self.counter.n_recorded():
+            raise RuntimeError("routing loads were counted beyond the minibatch's microbatches")
         self.history.append(self._current())
 
 

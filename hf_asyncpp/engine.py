@@ -26,7 +26,6 @@ from .memory import state_bytes
 from .metrics import ComputeTimer, ReducedStepStats, StepResult, idle_fraction
 from .models import build_stage_modules, plan_stages
 from .models.pipeline_loss import PipelineLoss
-from .models.routing_bias import nudge_biases
 from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
@@ -131,7 +130,6 @@ class PipelineEngine:
                                        if m.routing_load is not None]
         # Asynchronous pipeline: a minibatch's routing-bias update comes with its weight update
         # (_update_stage), from the loads of its own microbatches' forwards (models/routing_bias.py).
-        self._bias_update_skipped = dict.fromkeys(self.stage_ids, False)
         for stage, module in zip(self.stages if self.versioned else (), self.modules):
             if module.routing_load is not None:
                 module.routing_load.count_only_microbatches_of(stage)
@@ -196,20 +194,13 @@ class PipelineEngine:
         versioned.publish_master(order.buffer(stage, pp_size, versioned.master_version + 1, m))
 
     def _update_routing_biases(self, index: int, unit: int, applied: bool) -> None:
-        """Asynchronous pipeline, local stage `index` has just applied the update of unit `unit`:
-        if that completes a minibatch, its routing-bias update, from the loads of that minibatch's
-        forwards (the oldest ones counted), published with the weights as the next version. A
-        minibatch with a skipped (non-finite) update leaves the biases as they are."""
-        counter, stage, m = self.modules[index].routing_load, self.stage_ids[index], self.config.n_microbatches
-        if counter is None:
-            return
-        self._bias_update_skipped[stage] |= not applied
-        if self.spec.order.per_microbatch_updates and unit % m != m - 1:
-            return
-        loads = counter.take_oldest(m)
-        if not self._bias_update_skipped[stage]:
-            nudge_biases(counter.routers, loads, self.config.router_bias_update_rate, self.layout.dp_group)
-        self._bias_update_skipped[stage] = False
+        """Asynchronous pipeline, local stage `index` has just applied (or skipped) the update of unit
+        `unit`: the routing-bias update of the minibatch it ends, published with the weights as the
+        next version (models/routing_bias.py)."""
+        counter, m = self.modules[index].routing_load, self.config.n_microbatches
+        if counter is not None:
+            ends_minibatch = not self.spec.order.per_microbatch_updates or unit % m == m - 1
+            counter.after_update(applied, ends_minibatch, m, self.config.router_bias_update_rate, self.layout.dp_group)
 
     def _average_gradients_over_dp(self, params: list[torch.nn.Parameter]) -> None:
         if self.layout.dp_size == 1 or self.fsdp_managed:  # FSDP reduce-scattered and averaged them

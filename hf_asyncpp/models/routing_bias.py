@@ -55,6 +55,7 @@ class RoutingLoadCounter:
         self._calls: dict[int, list[torch.Tensor]] = {id(r): [] for r in self.routers}
         self._only_microbatches = False  # set by count_only_microbatches_of
         self._in_microbatch = False
+        self._minibatch_skipped = False  # an update of the current minibatch was skipped (non-finite)
         for router in self.routers:
             router.register_forward_hook(self._record)
 
@@ -107,6 +108,18 @@ class RoutingLoadCounter:
         loads = torch.stack([sum(self._calls[id(r)][-n:]) for r in self.routers])
         self.reset()
         return loads
+
+    def after_update(self, applied: bool, ends_minibatch: bool, n_microbatches: int, rate: float, dp_group) -> None:
+        """Asynchronous schedules, after one of the stage's weight updates (`applied` False: skipped):
+        when it ends a minibatch, that minibatch's bias update from the loads of its own forwards (the
+        oldest n_microbatches counted) — none if any of its updates was skipped."""
+        self._minibatch_skipped |= not applied
+        if not ends_minibatch:
+            return
+        loads = self.take_oldest(n_microbatches)
+        if not self._minibatch_skipped:
+            nudge_biases(self.routers, loads, rate, dp_group)
+        self._minibatch_skipped = False
 
     @torch.no_grad()
     def update_biases(self, rate: float, n_microbatches: int, dp_group) -> None:
