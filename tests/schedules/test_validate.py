@@ -8,6 +8,8 @@ receive — and rejects broken action lists and programs, each with a specific f
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import (
@@ -332,7 +334,9 @@ def test_the_same_1f1b_with_each_send_grouped_with_the_next_receive_runs():
 def test_rejects_a_receive_posted_early_that_blocks_a_later_send_to_the_same_peer():
     """Rank 0 posts its gradient receive before sending the activation: on the pair's stream the
     receive waits for a gradient that needs the activation queued behind it."""
-    with pytest.raises(ScheduleError, match="deadlock: 0F0 waits forever|deadlock: 0B0 waits forever|deadlock"):
+    with pytest.raises(ScheduleError, match=re.escape(
+            "rank 0, step 3: deadlock: 0B0 waits forever; unfinished batches: rank 0: 0RECV_B0 (started); "
+            "rank 0: 0SEND_F0 (queued behind an earlier batch)")):
         play({0: "0RECV_B0 0F0 0SEND_F0 0B0 .", 1: "1RECV_F0 1F0 1B0 1SEND_B0 ."})
 
 
