@@ -3,8 +3,12 @@ each returns: the tests' and benchmarks' way to start a small distributed job wi
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import queue as queue_module
+import signal
+import time
 import traceback
 
 from .mesh import free_port
@@ -15,6 +19,7 @@ def _worker(rank: int, world_size: int, port: int, queue, target, args):
     # The rest of the environment (HF_HUB_OFFLINE, …) is inherited from the parent.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks a stuck rank where it is
     try:
         import torch
 
@@ -36,7 +41,15 @@ def run_ranks(world_size: int, target, *args, timeout_s: float = 600.0) -> list:
     errors = []
     try:
         for _ in procs:
-            rank, status, value = queue.get(timeout=timeout_s)
+            try:
+                rank, status, value = queue.get(timeout=timeout_s)
+            except queue_module.Empty:
+                stuck = [r for r, p in enumerate(procs) if r not in results and p.is_alive()]
+                for r in stuck:  # each prints every thread's Python stack to stderr
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+                time.sleep(3)
+                errors.append(f"ranks {stuck} did not finish within {timeout_s:.0f} s; their stacks are on stderr")
+                break
             if status == "ok":
                 results[rank] = value
             else:
