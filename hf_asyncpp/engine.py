@@ -24,12 +24,14 @@ from .config import TrainConfig
 from .emulation import EmulatedPipeline
 from .memory import state_bytes
 from .metrics import ComputeTimer, ReducedStepStats, StepResult, idle_fraction
-from .models import build_stage_modules, plan_stages
+from .models import build_model, build_stage_modules, build_stages, plan_stages
+from .models.split import release_foreign_modules
+from .models.construct import has_safetensors
 from .models.pipeline_loss import PipelineLoss
 from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
-from .parallel.mesh import ParallelLayout
+from .parallel.mesh import ParallelLayout, broadcast_from_first_replica
 from .resilience import NonFiniteGuard, TerminationRequest
 from .schedules import ScheduleError, build_schedule, get_schedule_spec
 from .schedules.async_order import replay_after
@@ -41,13 +43,11 @@ __all__ = ["PipelineEngine", "build_full_model"]
 
 
 def build_full_model(config: TrainConfig, model_config) -> torch.nn.Module:
-    """The whole HF model, identically on every rank: from init_from, or seeded random init."""
+    """The whole HF model, identically on every rank: from init_from, or initialized from the seed
+    exactly as the stages a pipeline builds for itself (models/construct.py)."""
     if config.init_from:
-        model = AutoModelForCausalLM.from_pretrained(config.init_from, config=model_config, dtype=torch.float32)
-    else:
-        torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    return model.train()
+        return AutoModelForCausalLM.from_pretrained(config.init_from, config=model_config, dtype=torch.float32).train()
+    return build_model(model_config, config.seed)
 
 
 class _Updater:
@@ -81,9 +81,17 @@ class PipelineEngine:
         n_stages = self.spec.n_stages(depth)
         self.plan = plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
         self.stage_ids = list(range(n_stages)) if emulating else self.spec.stage_indices(layout.pp_size, layout.pp_rank)
-        model = model if model is not None else build_full_model(config, model_config)
-        self.modules = [m.to(layout.device) for m in build_stage_modules(model, self.plan, self.stage_ids)]
-        del model  # parts of other stages are released with it
+        if model is None and (not config.init_from or has_safetensors(config.init_from)):
+            # Only this rank's stages are allocated, and only their tensors of init_from read.
+            self.modules = build_stages(model_config, self.plan, self.stage_ids, layout.device, config.seed,
+                                        config.init_from)
+        else:  # a model given (the Trainer's, tests'), or a checkpoint without safetensors
+            given = model is not None
+            model = model if given else build_full_model(config, model_config)
+            self.modules = [m.to(layout.device) for m in build_stage_modules(model, self.plan, self.stage_ids)]
+            release_foreign_modules(model, self.plan, self.stage_ids)  # the caller may keep `model`
+            if given:  # the caller's processes may have drawn different weights (no seed set)
+                broadcast_from_first_replica(self.modules, layout)
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids
         # FSDP2 over dp (parallel/fsdp.py): parameters, gradients, optimizer state, weight versions

@@ -61,6 +61,12 @@ class AsyncPPTrainingArguments(TrainingArguments):
         check_settings(self.pipeline, launch.world_size)
         super().__post_init__()
 
+    @property
+    def place_model_on_device(self) -> bool:
+        """Never: the pipeline places this rank's stages on its device and releases the rest of the
+        model (engine.py), so the Trainer must not move the whole model first."""
+        return False
+
     def to_train_config(self, max_steps: int | None = None, seq_len: int | None = None) -> TrainConfig:
         """The run's TrainConfig. Before the datasets are known, max_steps ≤ 0 (epochs) and an unset
         seq_len stand as 1 and TrainConfig's default; the Trainer fills them in."""

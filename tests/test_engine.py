@@ -103,7 +103,14 @@ def _worker(rank, world_size, pp_size, families, schedules):
                 reference = copy.deepcopy(full)
                 gen = torch.Generator().manual_seed(11)
                 all_rows = torch.randint(0, model_config.vocab_size, (layout.dp_size * MBS * M, SEQ), generator=gen)
+                if layout.dp_rank > 0:  # a script that seeds nothing: the replicas start from replica 0's weights
+                    with torch.no_grad():
+                        for p in full.parameters():
+                            p.add_(torch.randn_like(p))
                 engine = PipelineEngine(config, model_config, layout, model=full)
+                # The caller's model keeps only this rank's stages (the rest moved to the meta device).
+                held = {id(p) for module in engine.modules for p in module.parameters()}
+                foreign_allocated = [n for n, p in full.named_parameters() if id(p) not in held and not p.is_meta]
                 mine = all_rows.view(layout.dp_size, MBS * M, SEQ)[layout.dp_rank]
                 loads = routed_token_counts(reference, all_rows, M * layout.dp_size)
                 with p2p_tags.recording() as messages:
@@ -135,7 +142,7 @@ def _worker(rank, world_size, pp_size, families, schedules):
                 report.append(dict(preset=preset, schedule=schedule, param_diff=param_diff, bias_moved=bias_moved,
                                    loss_diff=abs(result.loss - ref_lm), aux_diff=abs(result.aux_loss - ref_aux),
                                    compared=compared, n_model_params=len(ref_params), moved=moved,
-                                   aux=result.aux_loss, messages=messages))
+                                   aux=result.aux_loss, messages=messages, foreign_allocated=foreign_allocated))
     finally:
         shutdown_parallel()
     return report
@@ -148,6 +155,7 @@ def _check(reports):
             assert row["param_diff"] < TOL, row
             assert row["loss_diff"] < TOL, row
             assert row["aux_diff"] < TOL, row
+            assert not row["foreign_allocated"], row["foreign_allocated"]
 
 
 @pytest.mark.multirank
@@ -168,4 +176,6 @@ def test_every_family_and_schedule_matches_hf_gradient_accumulation(pp_size):
 
 @pytest.mark.multirank
 def test_pp2_dp2_averages_gradients_over_data_parallel_replicas():
+    """Also: replica 1 is handed other weights than replica 0 (its script seeded nothing); it starts
+    from replica 0's, or its parameters would not match the reference."""
     _check(run_ranks(4, _worker, 2, ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"], ["1f1b", "zbv"]))

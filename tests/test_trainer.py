@@ -244,6 +244,7 @@ def test_training_arguments_map_onto_the_pipeline_config(tmp_path):
     assert config.muon_lr_scale == "match_rms_adamw" and config.report_to == []
     assert _args(tmp_path / "out", momentum=0.95).pipeline.momentum == 0.95
     assert _args(tmp_path / "out", warmup_steps=0.1).get_warmup_steps(50) == 5
+    assert not args.place_model_on_device  # the pipeline places only this rank's stages
 
 
 @pytest.mark.multirank

@@ -1,5 +1,6 @@
 """Cutting HF causal LMs into pipeline stages."""
 
+from .construct import build_model, build_stages
 from .families import FAMILIES, Family, UnsupportedModelError, family_for
 from .presets import PRESETS, build_config
 from .router_stats import load_balancing_loss
@@ -15,7 +16,9 @@ __all__ = [
     "StagePlan",
     "UnsupportedModelError",
     "build_config",
+    "build_model",
     "build_stage_modules",
+    "build_stages",
     "family_for",
     "load_balancing_loss",
     "plan_stages",

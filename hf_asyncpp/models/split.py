@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from .stage import PipelineStageModule
 
-__all__ = ["BALANCE_MODES", "StagePlan", "plan_stages", "layer_costs", "build_stage_modules"]
+__all__ = ["BALANCE_MODES", "StagePlan", "build_stage_modules", "foreign_modules", "layer_costs", "plan_stages",
+           "release_foreign_modules"]
 
 BALANCE_MODES = ("compute", "params", "layers")
 _ROUTED_EXPERT = re.compile(r"\.experts\.")
@@ -105,6 +106,25 @@ def plan_stages(config, n_stages: int, balance: str = "compute", boundaries: lis
 
 
 def build_stage_modules(causal_lm: nn.Module, plan: StagePlan, stage_indices: list[int]) -> list[PipelineStageModule]:
-    """The stages this rank runs, cut out of a full model; everything else is released."""
+    """The stages this rank runs, cut out of a full model (they share its modules)."""
     last = len(plan) - 1
     return [PipelineStageModule(causal_lm, plan[s], is_first=s == 0, is_last=s == last) for s in stage_indices]
+
+
+def foreign_modules(causal_lm: nn.Module, plan: StagePlan, stage_indices: list[int]) -> list[str]:
+    """Names of the parts of `causal_lm` that none of stages `stage_indices` holds: other stages'
+    decoder layers, and the embeddings or the final norm and LM head when not held here."""
+    held = {i for s in stage_indices for i in plan[s]}
+    names = [f"model.layers.{i}" for i in range(len(causal_lm.model.layers)) if i not in held]
+    if 0 not in stage_indices:
+        names.append("model.embed_tokens")
+    if len(plan) - 1 not in stage_indices:
+        names += ["model.norm", "lm_head"]
+    return names
+
+
+def release_foreign_modules(causal_lm: nn.Module, plan: StagePlan, stage_indices: list[int]) -> None:
+    """Move what the local stages do not hold to the meta device, so that a model its caller keeps
+    (the Trainer's) costs this rank only its own stages' memory."""
+    for name in foreign_modules(causal_lm, plan, stage_indices):
+        causal_lm.get_submodule(name).to("meta")

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .launch import LaunchInfo
 
-__all__ = ["IO_TIMEOUT", "ParallelLayout", "free_port", "init_parallel", "mesh_coordinates", "shutdown_parallel"]
+__all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free_port", "init_parallel", "mesh_coordinates", "shutdown_parallel"]
 
 IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
 
@@ -112,6 +112,16 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         io_group=io_group,
         eval_pp_group=eval_pp_group,
     )
+
+
+@torch.no_grad()
+def broadcast_from_first_replica(modules: list[torch.nn.Module], layout: ParallelLayout) -> None:
+    """Make every dp replica of these (unsharded) modules hold dp rank 0's parameters and buffers."""
+    if layout.dp_size == 1:
+        return
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, group=layout.dp_group, group_src=0)
 
 
 def shutdown_parallel(peers_alive: bool = True) -> None:

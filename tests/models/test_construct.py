@@ -1,0 +1,131 @@
+"""A rank builds only its stages: on the meta device first, then allocated and initialized in place.
+
+Specification: every tensor of a stage is initialized (none is left as allocated memory), the
+buffers HF computes at construction (rotary frequencies, routing biases) equal those of the model
+built normally, and the same seed gives bitwise the same weights whatever the stage split: a tensor's
+value depends on the seed and its name only. The whole model built the same way is the union of the
+stages, so references built with `build_model` start where the pipeline starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_asyncpp.models import PRESETS, build_stages, plan_stages
+from hf_asyncpp.models.construct import build_model, meta_model
+from tests.test_engine import small_model_config
+
+
+def _poisoned_to_empty(monkeypatch):
+    """Make freshly allocated memory NaN, so a tensor nobody initialized cannot pass for one."""
+    original = torch.nn.Module.to_empty
+
+    def to_empty(module, *, device, recurse=True):
+        out = original(module, device=device, recurse=recurse)
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", to_empty)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_tensor_of_every_stage_is_initialized_and_buffers_equal_hf_construction(preset, monkeypatch):
+    config = small_model_config(preset)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # HF's own construction
+    ref_buffers = dict(reference.named_buffers())
+    _poisoned_to_empty(monkeypatch)
+    stages = build_stages(config, plan_stages(config, 4), [0, 1, 2, 3], "cpu", seed=3)
+    seen = set()
+    for stage in stages:
+        for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
+            assert not tensor.is_meta and torch.isfinite(tensor).all(), f"{preset}: {name} was not initialized"
+            if name in ref_buffers:
+                assert torch.equal(tensor, ref_buffers[name]), f"{preset}: buffer {name} differs from HF's"
+            seen.add(name)
+    assert seen >= set(dict(reference.named_parameters())), "a parameter belongs to no stage"
+
+
+def test_the_same_seed_gives_the_same_weights_under_every_stage_split():
+    config = small_model_config("tiny-qwen3-moe")
+    whole = dict(build_model(config, seed=7).named_parameters())
+    for n_stages, boundaries in ((1, None), (2, None), (4, None), (3, [1, 2])):
+        plan = plan_stages(config, n_stages, boundaries=boundaries)
+        # Each stage built alone, as the rank holding it would build it.
+        for s in range(n_stages):
+            (stage,) = build_stages(config, plan, [s], "cpu", seed=7)
+            for name, param in stage.named_parameters():
+                assert torch.equal(param, whole[name]), f"{name} differs in stage {s} of {n_stages}"
+    other_seed = dict(build_model(config, seed=8).named_parameters())
+    assert not torch.equal(whole["model.layers.0.mlp.experts.gate_up_proj"],
+                           other_seed["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_initialization_follows_the_model_class_and_leaves_the_callers_random_stream_alone():
+    config = small_model_config("tiny-mixtral")
+    torch.manual_seed(0)
+    before = torch.rand(1)
+    torch.manual_seed(0)
+    model = build_model(config, seed=1)
+    assert torch.equal(torch.rand(1), before)
+    std = config.initializer_range
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.embed_tokens.weight", "lm_head.weight"):
+        weight = dict(model.named_parameters())[name]
+        assert abs(weight.std().item() - std) < 0.15 * std, name  # normal(0, initializer_range)
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, torch.ones(config.hidden_size))
+
+
+def test_building_a_stage_allocates_only_that_stage():
+    config = small_model_config("tiny-qwen3-moe")
+    plan = plan_stages(config, 4)
+    (stage,) = build_stages(config, plan, [1], "cpu", seed=0)
+    full = sum(p.numel() for p in meta_model(config).parameters())
+    mine = sum(p.numel() for p in stage.parameters())
+    assert all(not p.is_meta for p in stage.parameters())
+    assert mine < full / 3  # a middle stage: two of eight layers, no embeddings or head
+
+
+@pytest.mark.parametrize("preset,shard", [("tiny-mixtral", None), ("tiny-qwen3-moe", "60KB"), ("tiny-deepseek-v3", "60KB")])
+def test_init_from_loads_each_stage_from_only_its_own_tensors_as_from_pretrained_does(tmp_path, preset, shard, monkeypatch):
+    """Checkpoints as transformers writes them (per-expert tensors for Mixtral, converted back on
+    load; several shard files with an index), loaded stage by stage: equal to from_pretrained, and
+    no tensor of another stage is read."""
+    from hf_asyncpp.models import construct
+
+    config = small_model_config(preset)
+    saved = build_model(config, seed=5)
+    saved.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(shard)
+    expected = dict(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict())
+    read = []
+    original = construct._TensorInFile.__getitem__
+    monkeypatch.setattr(construct._TensorInFile, "__getitem__", lambda self, i: read.append(self.key) or original(self, i))
+    plan = plan_stages(config, 4)
+    for s in range(4):
+        read.clear()
+        (stage,) = build_stages(config, plan, [s], "cpu", seed=0, init_from=str(tmp_path))
+        state = stage.state_dict()
+        for name, tensor in state.items():
+            assert torch.equal(tensor, expected[name]), f"stage {s}: {name}"
+        layers = {f"model.layers.{i}." for i in plan[s]}
+        foreign = [k for k in read if k.startswith("model.layers.") and not any(k.startswith(p) for p in layers)]
+        assert read and not foreign, f"stage {s} read {foreign}"
+        assert ("model.embed_tokens.weight" in read) == (s == 0) and ("lm_head.weight" in read) == (s == 3)
+
+
+def test_init_from_refuses_a_checkpoint_that_lacks_a_stage_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    config = small_model_config("tiny-qwen3-moe")
+    build_model(config, seed=5).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.2.self_attn.q_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    plan = plan_stages(config, 4)
+    build_stages(config, plan, [0], "cpu", seed=0, init_from=str(tmp_path))  # stage 0 has what it needs
+    with pytest.raises(ValueError, match=r"missing: \['model.layers.2.self_attn.q_proj.weight'\]"):
+        build_stages(config, plan, [1], "cpu", seed=0, init_from=str(tmp_path))
