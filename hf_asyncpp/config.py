@@ -18,6 +18,7 @@ import yaml
 
 __all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "check_step_boundaries", "config_from_values", "fit_to_one_process", "load_config", "validate_config"]
 
+from .models.recompute import CHECKPOINTING_MODES
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
 
 
@@ -55,6 +56,7 @@ class TrainConfig:
     emulate_pp_size: int = 0  # asynchronous schedule on one process: the depth it emulates (0: 1)
     fsdp: bool = True  # shard parameters, gradients, optimizer state, weight versions, EF over dp
     mixed_precision: str = "auto"  # forward/backward dtype: auto (bf16 on GPUs) / bf16 / no
+    activation_checkpointing: str = "none"  # recompute activations in the backward: none / full (layers) / selective (MLP/MoE)
     # optimization
     optimizer: str = "adamw"
     learning_rate: float = 1e-3
@@ -261,6 +263,9 @@ def check_settings(config: TrainConfig, world_size: int):
         check_report_to(config.report_to)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _require(config.activation_checkpointing in CHECKPOINTING_MODES,
+             f"unknown activation_checkpointing '{config.activation_checkpointing}'; choose "
+             + ", ".join(CHECKPOINTING_MODES))
     _require(config.mixed_precision in ("auto", "bf16", "no"),
              f"unknown mixed_precision '{config.mixed_precision}'; choose auto, bf16 or no")
     _require(config.fsdp or config.mixed_precision != "bf16",

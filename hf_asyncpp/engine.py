@@ -27,6 +27,7 @@ from .metrics import ComputeTimer, ReducedStepStats, StepResult, idle_fraction
 from .models import build_model, build_stage_modules, build_stages, plan_stages
 from .models.split import release_foreign_modules
 from .models.construct import has_safetensors
+from .models.recompute import apply_activation_checkpointing
 from .models.pipeline_loss import PipelineLoss
 from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
@@ -92,6 +93,8 @@ class PipelineEngine:
             release_foreign_modules(model, self.plan, self.stage_ids)  # the caller may keep `model`
             if given:  # the caller's processes may have drawn different weights (no seed set)
                 broadcast_from_first_replica(self.modules, layout)
+        for module in self.modules:
+            apply_activation_checkpointing(module, config.activation_checkpointing)
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids
         # FSDP2 over dp (parallel/fsdp.py): parameters, gradients, optimizer state, weight versions

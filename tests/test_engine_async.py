@@ -89,7 +89,8 @@ def emulate(model, config, rows_per_step, dp_size, aux_coef, delays, per_microba
     return losses
 
 
-def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-2bw", emulate_depth=0, ef=False):
+def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-2bw", emulate_depth=0, ef=False,
+            checkpointing="none"):
     import copy
 
     from hf_asyncpp.config import TrainConfig
@@ -106,7 +107,8 @@ def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-
                 config = TrainConfig(model_config=preset, pp_size=pp_size, schedule=schedule,
                                      optimizer=optimizer, max_grad_norm=0.0, lr_scheduler_type="constant",
                                      seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS,
-                                     emulate_pp_size=emulate_depth, ef=ef, **OPTIMIZERS[optimizer])
+                                     emulate_pp_size=emulate_depth, ef=ef, activation_checkpointing=checkpointing,
+                                     **OPTIMIZERS[optimizer])
                 full = build_full_model(config, model_config)
                 reference = copy.deepcopy(full)
                 rows = _rows(model_config.vocab_size, layout.dp_size)
@@ -160,8 +162,9 @@ def test_pipedream_2bw_equals_the_delay_one_emulator(pp_size):
 
 
 @pytest.mark.multirank
-def test_pipedream_2bw_with_data_parallel_replicas_equals_the_emulator():
-    _check(run_ranks(4, _worker, 2, ["tiny-olmoe"], ["adamw"]))
+def test_pipedream_2bw_with_data_parallel_replicas_and_activation_checkpointing_equals_the_emulator():
+    """The stages recompute every layer in the backward, on the weight version of the forward."""
+    _check(run_ranks(4, _worker, 2, ["tiny-olmoe"], ["adamw"], "pipedream-2bw", 0, False, "full"))
 
 
 @pytest.mark.multirank
@@ -172,8 +175,9 @@ def test_pipedream_equals_the_per_stage_delay_emulator(pp_size):
 
 
 @pytest.mark.multirank
-def test_pipedream_with_data_parallel_replicas_equals_the_emulator():
-    _check(run_ranks(4, _worker, 2, ["tiny-mixtral"], ["adamw"], "pipedream"), "pipedream")
+def test_pipedream_with_data_parallel_replicas_and_selective_checkpointing_equals_the_emulator():
+    """The stages recompute each MoE block in the backward."""
+    _check(run_ranks(4, _worker, 2, ["tiny-mixtral"], ["adamw"], "pipedream", 0, False, "selective"), "pipedream")
 
 
 @pytest.mark.multirank

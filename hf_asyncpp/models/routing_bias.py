@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .recompute import is_recomputing
+
 __all__ = ["RoutingLoadCounter", "nudge_biases"]
 
 
@@ -60,7 +62,7 @@ class RoutingLoadCounter:
             router.register_forward_hook(self._record)
 
     def _record(self, router, args, output):
-        if self._only_microbatches and not self._in_microbatch:
+        if (self._only_microbatches and not self._in_microbatch) or is_recomputing():
             return
         top_k_indices = output[2]
         counts = torch.bincount(top_k_indices.reshape(-1), minlength=router.num_experts)

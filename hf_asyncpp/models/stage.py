@@ -17,6 +17,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .families import family_for, layer_attention_type
+from .recompute import is_recomputing
 from .router_stats import add_router_logits, empty_router_stats
 from .routing_bias import RoutingLoadCounter
 
@@ -79,7 +80,8 @@ class PipelineStageModule(nn.Module):
         )
 
     def _record_router_logits(self, module, args, output):
-        self._router_logits.append(output[0])
+        if not is_recomputing():  # an activation-checkpointing recomputation is no second forward
+            self._router_logits.append(output[0])
 
     def _masks(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
         return {
