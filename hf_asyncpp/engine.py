@@ -197,12 +197,18 @@ class PipelineEngine:
         the asynchronous runtime when the order says the stage's update is due)."""
         index = self.stage_ids.index(stage)
         versioned, updater = self.versioned[index], self.updaters[index]
-        order, pp_size, m = self.spec.order, self.layout.pp_size, self.config.n_microbatches
-        versioned.move_gradients_to_master(order.buffer(stage, pp_size, version, m), grad_scale)
+        versioned.move_gradients_to_master(self.version_buffer(stage, version), grad_scale)
         self._step_ages[stage] = max(self._step_ages.get(stage, 0), versioned.master_version - version)
+        # The update is written in the buffer of the next version (weight_versions.py).
+        next_buffer = self.version_buffer(stage, versioned.master_version + 1)
+        versioned.bind_master(next_buffer)
         applied = self._apply_update(updater)
         self._update_routing_biases(index, versioned.master_version, applied)
-        versioned.publish_master(order.buffer(stage, pp_size, versioned.master_version + 1, m))
+        versioned.publish_master(next_buffer)
+
+    def version_buffer(self, stage: int, version: int) -> int:
+        """The buffer that holds weight version `version` of asynchronous stage `stage`."""
+        return self.spec.order.buffer(stage, self.layout.pp_size, version, self.config.n_microbatches)
 
     def _update_routing_biases(self, index: int, unit: int, applied: bool) -> None:
         """Asynchronous pipeline, local stage `index` has just applied (or skipped) the update of unit

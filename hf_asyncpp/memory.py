@@ -1,7 +1,8 @@
 """Bytes this rank holds for each kind of training state, as sharded (what `--fsdp` saves).
 
-A DTensor counts its local shard only; a plain tensor counts whole. Weight versions are the
-stashed buffers of asynchronous stages (their sharded storage); their gathered compute copies live
+A DTensor counts its local shard only; a plain tensor counts whole; shared memory counts once. Weight
+versions are the stashed buffers of asynchronous stages beyond the master, which is one of them
+(their sharded storage); their gathered compute copies live
 only while microbatches use them and are counted apart, as `compute_copies`, at the moment of the
 call. Optimizer state is every tensor in the optimizer's state (steps counters included).
 """
@@ -16,14 +17,22 @@ from torch.distributed.tensor import DTensor
 __all__ = ["local_bytes", "state_bytes"]
 
 
-def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    total, seen = 0, set()
-    for t in tensors:  # the same tensor listed twice (e.g. shared) counts once
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
+def _memory(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the memory a tensor's local part occupies."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.data_ptr(), local.numel() * local.element_size()
+
+
+def local_bytes(tensors: Iterable[torch.Tensor], counted_already: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of `tensors`, memory held by several of them (shared tensors, the master and its
+    version buffer) counted once, and none of the memory of `counted_already`."""
+    seen = {_memory(t) for t in counted_already}
+    total = 0
+    for t in tensors:
+        memory = _memory(t)
+        if memory not in seen:
+            seen.add(memory)
+            total += memory[1]
     return total
 
 
@@ -35,7 +44,8 @@ def state_bytes(params, optimizers, error_feedbacks, versioned_stages) -> dict[s
     return {
         "parameters": local_bytes(params),
         "gradients": local_bytes(p.grad for p in params if p.grad is not None),
-        "weight_versions": local_bytes(t for v in versioned_stages for b in v.buffers_ for t in b.values()),
+        # The master is one of the version buffers: the versions' bytes beyond it.
+        "weight_versions": local_bytes((t for v in versioned_stages for b in v.buffers_ for t in b.values()), params),
         "compute_copies": local_bytes(t for v in versioned_stages for c in v.live_compute_copies() for t in c.values()),
         "optimizer_state": local_bytes(optimizer_state),
         "ef_buffers": local_bytes(t for ef in error_feedbacks for t in ef.previous_update.values()),

@@ -115,8 +115,11 @@ def load_training_state(engine, rank: int, saved: dict, read) -> dict:
     metadata}); `read(state)` fills a state dict in place (dcp.load). Returns the loaded objects."""
     params = {n: p for module in engine.modules for n, p in module.named_parameters()}
     wanted: dict = {}
-    for module in engine.modules:  # weights and buffers load in place
-        wanted.update({f"model.{k}": v for k, v in module.state_dict().items()})
+    # Weights and buffers load in place; an asynchronous stage's master is one of its version
+    # buffers, which load below (it is bound to the right one once the versions are known).
+    masters = {n for versioned in engine.versioned for n, _ in versioned.inner.named_parameters()}
+    for module in engine.modules:
+        wanted.update({f"model.{k}": v for k, v in module.state_dict().items() if k not in masters})
     for names in _updater_names(engine):
         for name in names:
             for state_key, key in _state_keys(saved, name).items():
@@ -161,6 +164,7 @@ def _restore(engine, loaded: dict, rank: int) -> None:
                                                if f"ef.{n}" in loaded}
     for stage, versioned in zip(engine.stage_ids, engine.versioned):
         versioned.master_version = loaded[f"stage.{stage}"]["master_version"]
+        versioned.bind_master(engine.version_buffer(stage, versioned.master_version), copy=False)
         versioned.drop_compute_copies()
     rng = loaded.get(f"rng.{rank}")
     if rng is not None:

@@ -1,16 +1,20 @@
 """Weight versions for asynchronous schedules: stashed copies a microbatch is bound to.
 
 The stage's own parameters are the optimizer's master copy: the newest weights, stepped in place.
-Forward passes never read them. Each forward runs through `torch.func.functional_call` on the
-compute copy of one of a few version buffers, so autograd saves references to that copy and the
+They hold no memory of their own: the master is the newest of a few version buffers (PipeDream-2BW:
+two buffers, so two copies of the stage's weights in all). An update first copies the master into
+the buffer of the next version, which no in-flight microbatch uses any more, makes the parameters
+that buffer's storage (`torch.utils.swap_tensors`, so the optimizer's parameter objects and their
+state stay), then steps them: the previous version stays untouched in its buffer for the
+microbatches still bound to it. Each forward runs through `torch.func.functional_call` on the
+compute copy of one of the version buffers, so autograd saves references to that copy and the
 microbatch's backward sees exactly the weights its forward saw (weight stashing). Gradients
 accumulate over a step's microbatches in fp32 (or the compute copy's own dtype when wider): in the
 compute copy's `.grad` when it is fp32, and otherwise (bf16 / fp16 compute) in one fp32 sum per
 buffer and parameter, which a post-accumulate-grad hook on the compute copy feeds with each
 microbatch's gradient and then frees it (as FSDP2 does for synchronous stages). An optimizer step
 moves the sum to the master (the fp32 sum itself becomes the master's `.grad` when unsharded), steps
-it, and copies the new master into a buffer no in-flight microbatch is bound to. Nothing a pending
-backward still needs is ever written in place.
+it in the buffer of the next version. Nothing a pending backward still needs is ever written in place.
 
 Unsharded fp32 stages compute on the buffers themselves. When the stage is sharded over dp (the
 master and the buffers are DTensors holding 1/dp of the rows, parallel/fsdp.py) or computes in
@@ -55,7 +59,9 @@ class VersionedStage(nn.Module):
         self._trainable = {n: p.requires_grad for n, p in inner.named_parameters()}
         buffers = dict(inner.named_buffers())
         self._versioned_buffers = [n for n in inner.state_dict(keep_vars=True) if n in buffers]  # persistent ones
-        self.buffers_ = [self._copy_of_master() for _ in range(n_buffers)]
+        # Buffer 0 is the master's own storage (version 0); the others start as copies of it.
+        self.buffers_ = [self._alias_of_master()] + [self._copy_of_master() for _ in range(n_buffers - 1)]
+        self.master_buffer = 0  # the buffer whose storage the parameters are
         self._compute: list[dict[str, torch.Tensor] | None] = [None] * n_buffers
         # Per buffer: fp32 sums of the gradients of its low-precision compute copy (filled by hooks;
         # emptied, never replaced, so a hook holds its dict and nothing else: no reference cycles).
@@ -72,6 +78,13 @@ class VersionedStage(nn.Module):
     def _copy_of_master(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().requires_grad_(p.requires_grad and not self._gathers(p))
                 for n, p in self._master_state()}
+
+    def _alias_of_master(self) -> dict[str, torch.Tensor]:
+        """The master's parameters as buffer leaves sharing their storage (`.data`: not their autograd
+        version counter), and copies of the versioned module buffers (updated in place by training)."""
+        params = dict(self.inner.named_parameters())
+        return {n: params[n].data.requires_grad_(params[n].requires_grad and not self._gathers(params[n]))
+                if n in params else t.detach().clone() for n, t in self._master_state()}
 
     def _gathers(self, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, DTensor) or self.compute_dtype not in (None, tensor.dtype)
@@ -152,13 +165,32 @@ class VersionedStage(nn.Module):
         sums.clear()
 
     @torch.no_grad()
-    def publish_master(self, buffer: int) -> None:
-        """Count the update just applied to the master and copy the new weights (and versioned
-        buffers) into `buffer` (no microbatch may be bound to it)."""
-        self.master_version += 1
+    def bind_master(self, buffer: int, copy: bool = True) -> None:
+        """Make the master parameters the storage of `buffer`, after copying their values into it
+        (`copy`; without it the master takes the buffer's values, e.g. after a checkpoint load). No
+        in-flight microbatch may be bound to `buffer`: the next update is stepped in place there."""
+        if buffer == self.master_buffer:
+            return
         versions = self.buffers_[buffer]
-        for name, param in self._master_state():
-            versions[name].copy_(param)
+        for name, param in self.inner.named_parameters():  # each parameter object once
+            if copy:
+                versions[name].copy_(param)
+            alias = nn.Parameter(versions[name].data, requires_grad=param.requires_grad)
+            grad, param.grad = param.grad, None
+            torch.utils.swap_tensors(param, alias)  # the same object, now on the buffer's storage
+            param.grad = grad
+        self.master_buffer = buffer
+
+    @torch.no_grad()
+    def publish_master(self, buffer: int) -> None:
+        """Count the update just applied to the master, which `bind_master(buffer)` placed in
+        `buffer`, and copy the versioned module buffers (routing biases) in beside it."""
+        if buffer != self.master_buffer:
+            raise RuntimeError(f"the master lives in buffer {self.master_buffer}, not in buffer {buffer}")
+        self.master_version += 1
+        buffers = dict(self.inner.named_buffers())
+        for name in self._versioned_buffers:
+            self.buffers_[buffer][name].copy_(buffers[name])
         self._compute[buffer] = None  # gathered again at the buffer's next forward
 
 

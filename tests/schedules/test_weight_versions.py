@@ -1,6 +1,10 @@
-"""Gradient accumulation of an asynchronous stage (`VersionedStage`) under bf16 compute: each
-microbatch's bf16 gradient is added into an fp32 sum per buffer (DESIGN: "gradient accumulation
-across microbatches stays fp32"), which becomes the master's gradient. One process, unsharded."""
+"""An asynchronous stage's weight versions (`VersionedStage`), one process, unsharded.
+
+- Gradient accumulation under bf16 compute: each microbatch's bf16 gradient is added into an fp32
+  sum per buffer (DESIGN: "gradient accumulation across microbatches stays fp32"), which becomes
+  the master's gradient.
+- Two buffers are all PipeDream-2BW holds: the master is the newest of them, an update is written
+  into the other, and a microbatch in flight on the previous version keeps its weights."""
 
 from __future__ import annotations
 
@@ -132,6 +136,7 @@ def test_a_published_buffers_compute_copy_is_freed_without_waiting_for_the_garba
     copy = weakref.ref(stage.compute_copy(1)["up.weight"])
     gc.disable()
     try:
+        stage.bind_master(1)
         stage.publish_master(1)
         assert copy() is None
     finally:
@@ -145,3 +150,38 @@ def test_sums_are_dropped_with_the_compute_copies(dtype):
     assert {t.dtype for t in stage.gradient_sums(0).values()} == {torch.float32}
     stage.drop_compute_copies()  # a checkpoint load overwrote the buffers
     assert stage.gradient_sums(0) == {}
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_two_buffers_hold_every_weight_and_an_update_leaves_the_version_in_flight_untouched():
+    torch.manual_seed(0)
+    module = SmallMLP()
+    original = {n: p.detach().clone() for n, p in module.named_parameters()}
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    stage = VersionedStage(module, n_buffers=2)
+    params = list(module.parameters())
+    # The master holds no storage of its own: two stage copies in all, parameters included.
+    assert _storages(params) == _storages(stage.buffers_[0].values())
+    assert len(_storages([*params, *(t for b in stage.buffers_ for t in b.values())])) == 2 * len(params)
+
+    x, = _microbatches(1)
+    stage.active = 0
+    in_flight = _loss(stage(x))  # forwarded on version 0, its backward comes after the update
+    for p in params:
+        p.grad = torch.ones_like(p)
+    stage.bind_master(1)
+    optimizer.step()  # the optimizer's own parameter objects, now on buffer 1's storage
+    stage.publish_master(1)
+    assert stage.master_version == 1 and all(p is q for p, q in zip(params, module.parameters()))
+    assert _storages(params) == _storages(stage.buffers_[1].values())
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), original[name] - 0.1), name  # updated in buffer 1
+        assert torch.equal(stage.buffers_[0][name], original[name]), name  # version 0 untouched
+    in_flight.backward()  # no in-place error: nothing it saved was written
+    reference = {n: w.detach().clone().requires_grad_() for n, w in original.items()}
+    _loss(functional_call(module, reference, (x,))).backward()
+    for name, grad in ((n, stage.buffers_[0][n].grad) for n in original):
+        assert torch.equal(grad, reference[name].grad), name
