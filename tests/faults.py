@@ -8,6 +8,8 @@ Environment:
                      order the stage applies them) is not applied — no optimizer, EF or LR-schedule
                      step, its gradient dropped; nothing non-finite is involved.
   SLOW_DATA=s        rank 0 takes s seconds longer to prepare the dataset (the others wait for it).
+  KILL_IN_SAVE=n     rank 1 kills itself (SIGKILL) in the middle of the n-th checkpoint save (1-based),
+                     right after its shard is on disk: the save is not finished.
 """
 
 from __future__ import annotations
@@ -47,6 +49,25 @@ def slow_data(seconds: float) -> None:
     data.training_data = slow
 
 
+def kill_in_save(n: int) -> None:
+    import signal
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+    calls = [0]
+
+    def write_then_die(self, plan, planner):
+        written = original(self, plan, planner)
+        calls[0] += 1
+        if calls[0] == n and os.environ.get("RANK") == "1":
+            written.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+    FileSystemWriter.write_data = write_then_die
+
+
 def drop_update(k: int) -> None:
     original = PipelineEngine._apply_update
     counts: dict[int, int] = {}
@@ -71,4 +92,6 @@ if __name__ == "__main__":
         drop_update(int(os.environ["IDENTITY_UPDATE"]))
     if "SLOW_DATA" in os.environ:
         slow_data(float(os.environ["SLOW_DATA"]))
+    if "KILL_IN_SAVE" in os.environ:
+        kill_in_save(int(os.environ["KILL_IN_SAVE"]))
     sys.exit(run.main(sys.argv[1:]))

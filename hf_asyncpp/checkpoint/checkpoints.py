@@ -1,12 +1,16 @@
 """Training checkpoints on disk: `<output_dir>/checkpoint-<step>/`, written atomically, verified on load.
 
 A checkpoint is written by all ranks into `checkpoint-<step>.partial/` with
-torch.distributed.checkpoint (each rank its own shards, in parallel), then rank 0 adds
-`trainer_state.json` (step, layout, config) and `manifest.json` (every file's size and SHA-256) and
-renames the directory. Only a directory without the `.partial` suffix and with a manifest counts as
-a checkpoint: a crash at any point before the rename leaves nothing that looks complete, and the
-previous checkpoints are untouched (the oldest are removed only after the new one is complete,
-`save_total_limit`). Loading checks the manifest first and names the missing or damaged file.
+torch.distributed.checkpoint (each rank its own shards, in parallel); the ranks then hash the files
+between them (each file once, in parallel), and rank 0 adds `trainer_state.json` (step, layout,
+config) and `manifest.json` (every file's size and SHA-256) and renames the directory. Only a
+directory without the `.partial` suffix and with a manifest counts as a checkpoint: a crash at any
+point before the rename leaves nothing that looks complete, and the previous checkpoints are
+untouched (the oldest are removed only after the new one is complete, `save_total_limit`).
+
+Before any process group starts, a resume checks the manifest: every file present with its size
+(`verify_checkpoint`, no file read). Checksums are checked at load, by the ranks between them
+(`verify_checksums`): no rank reads the whole checkpoint to verify it. Both name the bad file.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from ..resilience import RunFailure, first_nonfinite
 from .training_state import load_training_state, training_state
 
 __all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
-           "verify_checkpoint"]
+           "verify_checkpoint", "verify_checksums"]
 
 PREFIX = "checkpoint-"
 MANIFEST, TRAINER_STATE = "manifest.json", "trainer_state.json"
@@ -95,15 +99,23 @@ def _report(failure: BaseException, final: Path) -> str:
         return report
 
 
-def _agree(layout, final: Path, failure: BaseException | None) -> None:
-    """Every rank learns whether any rank's part of the save failed, and raises the same error."""
+def _agree(layout, final: Path, failure: BaseException | None, share=None) -> list:
+    """Every rank learns whether any rank's part of the save failed, and raises the same error.
+    Returns every rank's `share` (what each contributed: its files' digests)."""
     reports = [None] * layout.world_size
-    dist.all_gather_object(reports, None if failure is None else _report(failure, final), group=layout.io_group)
-    failed = [(rank, report) for rank, report in enumerate(reports) if report]
+    mine = (None if failure is None else _report(failure, final), share)
+    dist.all_gather_object(reports, mine, group=layout.io_group)
+    failed = [(rank, report) for rank, (report, _) in enumerate(reports) if report]
     if failed:
         rank, report = failed[0]
         raise CheckpointError(f"saving checkpoint {final} failed on rank {rank} ({report}); "
                               "the previous checkpoint is kept")
+    return [s for _, s in reports]
+
+
+def _my_share(names: list[str], layout) -> list[str]:
+    """The files this rank hashes: every file is hashed by one rank, the ranks in parallel."""
+    return sorted(names)[layout.rank::layout.world_size]
 
 
 def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_state: dict,
@@ -138,14 +150,23 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
         except Exception as err:
             failure = err
         _agree(layout, final, failure)
+        failure, digests = None, {}
+        try:
+            digests = {name: {"bytes": (staging / name).stat().st_size, "sha256": _digest(staging / name)}
+                       for name in _my_share([p.name for p in staging.iterdir()], layout)}
+        except OSError as err:
+            failure = err
+        shares = _agree(layout, final, failure, digests)
         failure = None
         try:
             if layout.is_main:
-                _write_json(staging / TRAINER_STATE, dict(trainer_state, step=step, pp_size=layout.pp_size,
-                                                          dp_size=layout.dp_size, schedule=engine.spec.name,
-                                                          n_microbatches=engine.config.n_microbatches))
-                files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in sorted(staging.iterdir())}
-                _write_json(staging / MANIFEST, files)  # written last: its presence marks the files complete
+                state_file = staging / TRAINER_STATE
+                _write_json(state_file, dict(trainer_state, step=step, pp_size=layout.pp_size,
+                                             dp_size=layout.dp_size, schedule=engine.spec.name,
+                                             n_microbatches=engine.config.n_microbatches))
+                files = {name: info for share in shares for name, info in share.items()}
+                files[TRAINER_STATE] = {"bytes": state_file.stat().st_size, "sha256": _digest(state_file)}
+                _write_json(staging / MANIFEST, dict(sorted(files.items())))  # last: marks the files complete
                 shutil.rmtree(final, ignore_errors=True)
                 staging.rename(final)
         except OSError as err:
@@ -162,9 +183,9 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
     return final
 
 
-def verify_checkpoint(path: Path, checksums: bool = True) -> dict:
-    """The trainer state of a complete, undamaged checkpoint; CheckpointError naming the bad file.
-    Without `checksums` only presence and sizes are checked (what a load does after validation)."""
+def verify_checkpoint(path: Path) -> dict:
+    """The trainer state of a complete checkpoint: every file of its manifest present with the size
+    written (no file is read); CheckpointError naming the bad file otherwise."""
     manifest = json.loads((path / MANIFEST).read_text())
     for name, expected in manifest.items():
         file = path / name
@@ -173,25 +194,36 @@ def verify_checkpoint(path: Path, checksums: bool = True) -> dict:
         if file.stat().st_size != expected["bytes"]:
             raise CheckpointError(f"checkpoint {path}: file {name} has {file.stat().st_size} bytes, "
                                   f"{expected['bytes']} were written (truncated or replaced)")
-        if checksums and _digest(file) != expected["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: file {name} is damaged (checksum differs)")
     return json.loads((path / TRAINER_STATE).read_text())
+
+
+def verify_checksums(path: Path, layout) -> None:
+    """Collective: the ranks hash the checkpoint's files between them (each file once, in parallel)
+    and every rank raises the same CheckpointError if one is damaged."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    damaged = [name for name in _my_share(list(manifest), layout) if _digest(path / name) != manifest[name]["sha256"]]
+    found = [None] * layout.world_size
+    dist.all_gather_object(found, damaged, group=layout.io_group)
+    damaged = sorted(name for names in found for name in names)
+    if damaged:
+        raise CheckpointError(f"checkpoint {path}: file {damaged[0]} is damaged (checksum differs)")
 
 
 def load_checkpoint(engine, layout, path: Path) -> dict:
     """Load a checkpoint into the engine (collective). Returns its trainer state. Rank 0 checks the
-    files' presence and sizes first (config validation checked their checksums) and every rank raises
-    the same CheckpointError if they are bad."""
+    files' presence and sizes, then the ranks their checksums between them; every rank raises the
+    same CheckpointError if a file is bad."""
     verdict = [None]
     if layout.is_main:
         try:
-            verdict = [verify_checkpoint(path, checksums=False)]
+            verdict = [verify_checkpoint(path)]
         except (CheckpointError, OSError, ValueError) as err:
             verdict = [CheckpointError(str(err))]
     dist.broadcast_object_list(verdict, src=0, group=layout.io_group)
     if isinstance(verdict[0], Exception):
         raise verdict[0]
     trainer_state = verdict[0]
+    verify_checksums(path, layout)
     if engine.versioned:  # in-flight state is replayed by the order: it must be the same order
         saved = {k: trainer_state.get(k) for k in ("pp_size", "schedule", "n_microbatches")}
         current = dict(pp_size=layout.pp_size, schedule=engine.spec.name, n_microbatches=engine.config.n_microbatches)

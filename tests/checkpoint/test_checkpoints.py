@@ -10,6 +10,8 @@ versions, which must rebuild exactly the state the straight run carried across t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hf_asyncpp.parallel.spawn import run_ranks
@@ -143,16 +145,52 @@ def test_a_truncated_checkpoint_file_is_named_before_anything_starts(saved_check
     assert shard.read_bytes() == data[: len(data) // 2]  # nothing was overwritten or repaired
 
 
-def test_a_missing_or_altered_file_is_named(saved_checkpoint, tmp_path):
+def test_a_missing_file_is_named_before_anything_starts(saved_checkpoint, tmp_path):
     copy = _copy(saved_checkpoint, tmp_path)
     (copy / ".metadata").unlink()
     assert ".metadata is missing" in _validation_error(copy, tmp_path)
-    copy2 = _copy(saved_checkpoint, tmp_path / "second")
-    shard = sorted(copy2.glob("*.distcp"))[-1]
+
+
+def _verify_checksums(rank, world_size, path):
+    from pathlib import Path
+
+    from hf_asyncpp.checkpoint.checkpoints import CheckpointError, verify_checksums
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), 1)
+    read = []
+    import hf_asyncpp.checkpoint.checkpoints as checkpoints
+
+    original = checkpoints._digest
+    checkpoints._digest = lambda p: read.append(p.name) or original(p)
+    try:
+        verify_checksums(Path(path), layout)
+        return None, read
+    except CheckpointError as err:
+        return str(err), read
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_an_altered_file_is_named_by_every_rank_at_load_and_each_file_is_read_once(saved_checkpoint, tmp_path):
+    """The checksums are checked by the ranks between them: no rank reads the whole checkpoint."""
+    copy = _copy(saved_checkpoint, tmp_path)
+    shard = sorted(copy.glob("*.distcp"))[-1]
     data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
+    data[-1] ^= 0xFF  # same size: only a checksum can tell
     shard.write_bytes(bytes(data))
-    assert f"{shard.name} is damaged" in _validation_error(copy2, tmp_path)
+    from hf_asyncpp.checkpoint.checkpoints import verify_checkpoint
+
+    verify_checkpoint(copy)  # what runs before any process group: present, sizes right, nothing read
+    results = run_ranks(2, _verify_checksums, str(copy))
+    assert all(message and f"{shard.name} is damaged" in message for message, _ in results)
+    files = [name for _, read in results for name in read]
+    assert sorted(files) == sorted(json.loads((copy / "manifest.json").read_text()))  # each file once in all
+    assert all(len(read) < len(files) for _, read in results)
+    intact = run_ranks(2, _verify_checksums, str(saved_checkpoint))
+    assert [message for message, _ in intact] == [None, None]
 
 
 def test_an_interrupted_save_is_never_taken_for_a_checkpoint(saved_checkpoint, tmp_path):

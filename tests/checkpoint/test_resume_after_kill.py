@@ -2,8 +2,10 @@
 same trajectory bitwise.
 
 Three runs of training_scripts/train.py under torchrun (pp = 2, 1F1B or PipeDream-2BW, AdamW + Error
-Feedback, fp32, fixed seeds, save_steps 3; 2BW saves with microbatches in flight): one straight through; one whose rank 1 is SIGKILLed once a checkpoint
-exists; then the same command with `--resume_from_checkpoint latest`. Every checkpoint that the
+Feedback, fp32, fixed seeds, save_steps 3; 2BW saves with microbatches in flight): one straight
+through; one whose rank 1 is SIGKILLed — under 1F1B once a checkpoint exists, under 2BW in the middle
+of its second save (tests/faults.py), which must leave only a `.partial` directory that `latest`
+passes over; then the same command with `--resume_from_checkpoint latest`. Every checkpoint that the
 killed run left marked complete verifies (sizes and checksums of all its files), and the resumed
 run's per-step losses (metrics.jsonl, including the steps logged before the kill) and exported
 weights equal the straight run's exactly.
@@ -11,6 +13,7 @@ weights equal the straight run's exactly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -22,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_asyncpp.checkpoint.checkpoints import list_checkpoints, verify_checkpoint
+from hf_asyncpp.checkpoint.checkpoints import find_checkpoint, list_checkpoints, verify_checkpoint
 from tests.test_engine import small_model_config
 from tests.test_run import _env
 
@@ -37,8 +40,8 @@ def _setup(tmp_path):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
 
 
-def _command(tmp_path, out, schedule, *extra):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "training_scripts/train.py",
+def _command(tmp_path, out, schedule, *extra, script="training_scripts/train.py"):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
             "--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
             "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches", str(M), "--pp_size", "2",
             "--schedule", schedule, "--optimizer", "adamw", "--ef", "true", "--learning_rate", "3e-3",
@@ -58,20 +61,31 @@ def test_a_run_killed_mid_training_resumes_from_its_latest_checkpoint_bitwise(tm
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run(_command(tmp_path, straight, schedule), check=True, env=_env(), capture_output=True, timeout=600)
 
-    launcher = subprocess.Popen(_command(tmp_path, killed, schedule), env=_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not list_checkpoints(killed) and time.time() < deadline and launcher.poll() is None:
-        time.sleep(0.02)
-    ranks = psutil.Process(launcher.pid).children(recursive=True)
-    victim = next(p for p in ranks if "train.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
-    victim.send_signal(signal.SIGKILL)
-    assert launcher.wait(timeout=120) != 0  # the launcher reports the lost rank
+    if schedule == "pipedream-2bw":  # rank 1 dies inside the save of step 6
+        launcher = subprocess.Popen(_command(tmp_path, killed, schedule, script="tests/faults.py"),
+                                    env={**_env(), "KILL_IN_SAVE": "2"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    else:
+        launcher = subprocess.Popen(_command(tmp_path, killed, schedule), env=_env(), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while not list_checkpoints(killed) and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.02)
+        ranks = psutil.Process(launcher.pid).children(recursive=True)
+        victim = next(p for p in ranks if "train.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
+        victim.send_signal(signal.SIGKILL)
+    assert launcher.wait(timeout=300) != 0  # the launcher reports the lost rank
     assert not (killed / "final").exists()
     left = list_checkpoints(killed)
     assert left and int(left[-1].name.split("-")[1]) < STEPS, "the kill came after the run had finished"
+    if schedule == "pipedream-2bw":
+        assert (killed / f"checkpoint-{2 * SAVE_EVERY}.partial").is_dir()  # the interrupted save
+        assert [c.name for c in left] == [f"checkpoint-{SAVE_EVERY}"]
+        assert find_checkpoint("latest", killed) == left[-1]
     for checkpoint in left:
-        verify_checkpoint(checkpoint)  # raises if any file of a complete-looking checkpoint is bad
+        verify_checkpoint(checkpoint)  # raises if a file of a complete-looking checkpoint is missing or cut
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        assert all(hashlib.sha256((checkpoint / name).read_bytes()).hexdigest() == entry["sha256"]
+                   for name, entry in manifest.items()), checkpoint
 
     subprocess.run(_command(tmp_path, killed, schedule, "--resume_from_checkpoint", "latest"), check=True, env=_env(),
                    capture_output=True, timeout=600)
