@@ -65,7 +65,7 @@ def _run_arm(args, experts: str, checkpointing: str, compiled: bool) -> dict:
     (stage,) = build_stages(config, plan, [1], device, seed=0)
     stage.to(torch.bfloat16)
     apply_activation_checkpointing(stage, checkpointing)
-    if compiled:
+    if compiled:  # kernel speed of compiled layers; the library has no compile switch yet (see README)
         for layer in stage.model.layers.values():
             layer.compile()
     hidden = torch.randn(args.micro_batch_size, args.seq_len, config.hidden_size, device=device,

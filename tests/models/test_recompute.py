@@ -81,6 +81,7 @@ def test_the_recomputation_runs_on_the_weight_version_of_its_forward(mode):
         versioned = VersionedStage(stage, n_buffers=2)
         versioned.active = 0
         loss = _loss(versioned, rows)
+        versioned.bind_master(1)  # an update lands in the next version's buffer, as the engine does it
         with torch.no_grad():
             for p in stage.parameters():
                 p.mul_(1.5)  # the master moves on; version 0 must not
