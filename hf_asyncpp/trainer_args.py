@@ -88,8 +88,8 @@ class AsyncPPTrainingArguments(TrainingArguments):
         }
         if self.bf16:
             values["mixed_precision"] = "bf16"
-        if self.gradient_checkpointing:  # HF's switch: every decoder layer recomputed
-            values["activation_checkpointing"] = "full"
+        if self.activation_checkpointing or self.gradient_checkpointing:  # HF's switch (and its old name)
+            values["activation_checkpointing"] = "full"  # every decoder layer; "selective" via pipeline_config
         if seq_len or self.seq_len:
             values["seq_len"] = seq_len or self.seq_len
         extra = dict(self.pipeline_config or {})

@@ -161,7 +161,10 @@ def _check(reports):
 @pytest.mark.multirank
 @pytest.mark.parametrize("pp_size", [2, 4])
 def test_every_family_and_schedule_matches_hf_gradient_accumulation(pp_size):
-    reports = run_ranks(pp_size, _worker, pp_size, FAMILIES, SCHEDULES)
+    """Every family at pp 2; at pp 4 (where the schedules' orders differ most) one of each kind of
+    block: routed MoE with an aux loss, DeepSeek-V3's biased routing and MLA, a dense sliding-window model."""
+    families = FAMILIES if pp_size == 2 else ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-qwen3"]
+    reports = run_ranks(pp_size, _worker, pp_size, families, SCHEDULES)
     _check(reports)
     for i, row in enumerate(reports[0]):
         # Every parameter of the model was compared on some rank, and the step really moved it.

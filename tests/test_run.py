@@ -52,10 +52,11 @@ def _microbatch_losses(model, config, rows, k):
 
 
 def _reference(config, rows, max_grad_norm=0.5):
-    from transformers import AutoModelForCausalLM, get_scheduler
+    from transformers import get_scheduler
 
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(config).train()
+    from hf_asyncpp.models import build_model
+
+    model = build_model(config, seed=7)  # train.py's starting weights (the run's seed is 7)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=STEPS)
     losses = []
@@ -147,10 +148,11 @@ def _reference_2bw(config, rows):
     with w_k = x_{k−1}); after the last step nothing is pending."""
     import copy
 
-    from transformers import AutoModelForCausalLM, get_scheduler
+    from transformers import get_scheduler
 
-    torch.manual_seed(7)
-    current = AutoModelForCausalLM.from_config(config).train()
+    from hf_asyncpp.models import build_model
+
+    current = build_model(config, seed=7)
     stale = copy.deepcopy(current)
     opt = torch.optim.SGD(current.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
     sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=STEPS)

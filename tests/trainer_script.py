@@ -12,11 +12,11 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    import torch
     from datasets import load_dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from hf_asyncpp import AsyncPPTrainer, AsyncPPTrainingArguments
+    from hf_asyncpp.models import build_model
     from hf_asyncpp.data import BUILTIN_TOKENIZER_DIR
 
     parser = argparse.ArgumentParser()
@@ -29,8 +29,9 @@ def main(argv: list[str]) -> int:
     known, rest = parser.parse_known_args(argv)
     settings = {rest[i].lstrip("-"): json.loads(rest[i + 1]) for i in range(0, len(rest), 2)}
 
-    torch.manual_seed(settings.get("seed", 42))  # every process builds the same model
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(known.model_dir), dtype=torch.float32)
+    # The weights train.py starts from with this seed, so the two runs can be compared to the bit (a
+    # script that seeds nothing still trains one model: the replicas take the first one's weights).
+    model = build_model(AutoConfig.from_pretrained(known.model_dir), settings.get("seed", 42))
     train = load_dataset("json", data_files=known.train, split="train")
     evaluation = load_dataset("json", data_files=known.eval, split="train")
     args = AsyncPPTrainingArguments(output_dir=known.output_dir, **settings)

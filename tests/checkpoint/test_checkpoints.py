@@ -78,8 +78,7 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
     (2, 1, "gpipe", "muon", True, "tiny-qwen3-moe"),  # dp 2, sharded with FSDP2: optimizer state and EF as DTensors
     (2, 2, "interleaved-1f1b", "soap", False, "tiny-qwen3-moe"),
     (2, 1, "gpipe", "soap", False, "tiny-qwen3-moe"),  # dp 2: square matrices' factors stay whole, their moments sharded
-    (2, 2, "pipedream-2bw", "adamw", True, "tiny-qwen3-moe"),
-    (4, 2, "pipedream-2bw", "muon", True, "tiny-qwen3-moe"),  # pp 2 × dp 2: sharded weight versions
+    (4, 2, "pipedream-2bw", "muon", True, "tiny-qwen3-moe"),  # pp 2 × dp 2: sharded weight versions, EF
     (4, 4, "pipedream", "sgd", False, "tiny-qwen3-moe"),  # per-microbatch updates; three stages have forwards in flight
     # DeepSeek-V3: stage 0 saved with minibatch 3 forwarded on version 2 (weights and routing biases)
     # while its master is version 3; the replay must route with version 2's biases

@@ -92,6 +92,7 @@ def test_each_weight_version_routes_with_its_own_bias():
     with torch.no_grad():
         versioned(rows)  # version 0, biases 0
         routers[0].e_score_correction_bias[:4] += 1.0  # the master bias: experts 0..3 win everything
+        versioned.bind_master(1)
         versioned.publish_master(1)
         versioned.active = 1
         versioned(rows)
