@@ -30,15 +30,11 @@ MODES = ("none", "selective", "full")
 
 
 def _stage(n_layers: int, mode: str):
-    from transformers import AutoConfig
+    from moe_2b_stage import middle_stage
 
-    from hf_asyncpp.models import build_stages, plan_stages
     from hf_asyncpp.models.recompute import apply_activation_checkpointing
 
-    config = AutoConfig.from_pretrained(ROOT / "training_scripts" / "models" / "moe_2b")
-    config.num_hidden_layers = n_layers + 2  # a first and a last layer around the measured middle stage
-    plan = plan_stages(config, 3, boundaries=[1, n_layers + 1])
-    (stage,) = build_stages(config, plan, [1], "cpu", seed=0)
+    config, stage = middle_stage(n_layers)
     apply_activation_checkpointing(stage, mode)
     return config, stage
 

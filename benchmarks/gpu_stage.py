@@ -52,17 +52,12 @@ def _flops_per_token(stage, config, seq_len: int) -> float:
 
 def _run_arm(args, experts: str, checkpointing: str, compiled: bool) -> dict:
     import torch
-    from transformers import AutoConfig
+    from moe_2b_stage import middle_stage
 
-    from hf_asyncpp.models import build_stages, plan_stages
     from hf_asyncpp.models.recompute import apply_activation_checkpointing
 
     device = torch.device(args.device)
-    config = AutoConfig.from_pretrained(ROOT / "training_scripts" / "models" / "moe_2b")
-    config.num_hidden_layers = args.layers + 2
-    config._experts_implementation = experts
-    plan = plan_stages(config, 3, boundaries=[1, args.layers + 1])
-    (stage,) = build_stages(config, plan, [1], device, seed=0)
+    config, stage = middle_stage(args.layers, device, experts)
     stage.to(torch.bfloat16)
     apply_activation_checkpointing(stage, checkpointing)
     if compiled:  # kernel speed of compiled layers; the library has no compile switch yet (see README)
