@@ -17,6 +17,7 @@ private transformers API, pinned with transformers and covered by tests/models/t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -117,19 +118,23 @@ class _TensorInFile:
     """A checkpoint tensor read only when the loader indexes it (`tensor[...]`), as safetensors
     slices are; the loader never indexes the tensors of modules the pruned model does not hold."""
 
-    def __init__(self, path: str, key: str):
-        self.path, self.key = path, key
+    def __init__(self, file, key: str):
+        self.file, self.key = file, key  # `file`: the open safetensors file (its header parsed once)
 
     def __getitem__(self, index):
-        with safe_open(self.path, framework="pt", device="cpu") as f:
-            return f.get_slice(self.key)[index]
+        return self.file.get_slice(self.key)[index]
 
 
 def _load(causal_lm: nn.Module, directory: str, device) -> None:
-    tensors = {}
-    for path in _safetensors_files(directory):
-        with safe_open(path, framework="pt", device="cpu") as f:  # the header only
-            tensors.update((key, _TensorInFile(path, key)) for key in f.keys())
+    with contextlib.ExitStack() as files:
+        tensors = {}
+        for path in _safetensors_files(directory):
+            f = files.enter_context(safe_open(path, framework="pt", device="cpu"))
+            tensors.update((key, _TensorInFile(f, key)) for key in f.keys())
+        _load_tensors(causal_lm, directory, device, tensors)
+
+
+def _load_tensors(causal_lm: nn.Module, directory: str, device, tensors: dict) -> None:
     config = LoadStateDictConfig(pretrained_model_name_or_path=directory, dtype=torch.float32,
                                  device_map={"": str(device)}, weight_mapping=get_model_conversion_mapping(causal_lm))
     info, _ = convert_and_load_state_dict_in_model(causal_lm, tensors, config)
