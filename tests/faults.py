@@ -24,7 +24,8 @@ from hf_asyncpp import run
 from hf_asyncpp.engine import PipelineEngine
 
 
-def plant_poison(token: int) -> None:
+def plant_poison(token: int):
+    """Plant the poison; returns the function that removes it (a reused rank must not keep it)."""
     original = pipeline_loss.ForCausalLMLoss
 
     def poisoned(logits, labels, vocab_size, **kwargs):
@@ -32,6 +33,11 @@ def plant_poison(token: int) -> None:
         return loss * float("nan") if bool((labels[:, 0] == token).any()) else loss
 
     pipeline_loss.ForCausalLMLoss = poisoned
+
+    def remove() -> None:
+        pipeline_loss.ForCausalLMLoss = original
+
+    return remove
 
 
 def slow_data(seconds: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 from tests import p2p_tags
 
 TOL = 1e-5

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 from tests import p2p_tags
 from tests.test_engine import small_model_config
 

@@ -313,7 +313,7 @@ def _poisoned_run(rank, world_size, pp_size: int):
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
     from tests.faults import plant_poison
 
-    plant_poison(127)
+    remove_poison = plant_poison(127)
     layout = init_parallel(read_launch(), pp_size)
     try:
         model_config = small_model_config("tiny-qwen3-moe")
@@ -331,6 +331,7 @@ def _poisoned_run(rank, world_size, pp_size: int):
         return None if state is None else ({k: v.tolist() for k, v in state.items()}, skipped)
     finally:
         shutdown_parallel()
+        remove_poison()
 
 
 @pytest.mark.multirank
@@ -338,7 +339,7 @@ def test_the_one_process_emulator_skips_an_update_as_the_pipeline_does():
     """The emulator's history must count the skipped unit as a version, as the pipeline publishes its
     unchanged master: otherwise every later gradient would be taken at weights one update older.
     Tolerance: the emulator and the pipeline agree to float rounding (tests/test_engine_async.py)."""
-    from hf_asyncpp.parallel.spawn import run_ranks
+    from tests.ranks import run_ranks
     from tests.test_engine_async import TOL
 
     pipeline, skipped = run_ranks(2, _poisoned_run, 2)[0]

@@ -1,9 +1,19 @@
 """Run a function on N real ranks of this machine (spawned processes, gloo on CPU) and collect what
-each returns: the tests' and benchmarks' way to start a small distributed job without a launcher."""
+each returns: the tests' and benchmarks' way to start a small distributed job without a launcher.
+
+`run_ranks` starts fresh processes for one run (benchmarks measure memory and start-up that way).
+A `RankPool` keeps its processes between runs: a test suite of a hundred multi-rank runs otherwise
+spends most of its time importing torch and transformers again in every rank. Each run still starts
+its own process groups; between runs a rank is put back to the state a fresh process has (below,
+`_ProcessState`), and a run that fails or times out retires every process of the pool, so no run
+inherits a broken group or a rank stuck in a collective. A target must tear down the process groups
+it starts (`shutdown_parallel`) and undo what it patches; a rank left with a group is replaced.
+"""
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -13,53 +23,141 @@ import traceback
 
 from .mesh import free_port
 
-__all__ = ["run_ranks"]
+__all__ = ["RankPool", "run_ranks"]
 
-def _worker(rank: int, world_size: int, port: int, queue, target, args):
-    # The rest of the environment (HF_HUB_OFFLINE, …) is inherited from the parent.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks a stuck rank where it is
-    try:
+_RESET_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what resilience.py's handlers take over
+
+
+class _ProcessState:
+    """What a run may change in its process and a fresh rank starts with: environment, working
+    directory, torch's default RNG seed, default dtype, grad mode and thread count, signal handlers."""
+
+    def __init__(self):
         import torch
 
+        self.environ, self.cwd = dict(os.environ), os.getcwd()
+        self.seed = torch.initial_seed()  # a fresh process's default generator state
+        self.handlers = {s: signal.getsignal(s) for s in _RESET_SIGNALS}
+
+    def restore(self) -> None:
+        import torch
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.manual_seed(self.seed)
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
         torch.set_num_threads(1)  # several ranks share the machine's cores
-        queue.put((rank, "ok", target(rank, world_size, *args)))
-    except BaseException:  # report everything, including assertion errors, to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        for s, handler in self.handlers.items():
+            signal.signal(s, handler)
+        gc.collect()
+
+
+def _serve(slot: int, tasks, results) -> None:
+    """A rank process: run each task from `tasks` until None arrives (or its run left a group)."""
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) prints where every thread was
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks a stuck rank where it is
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    fresh = _ProcessState()
+    while (task := tasks.get()) is not None:
+        rank, world_size, port, target, args = task
+        # The rest of the environment (HF_HUB_OFFLINE, …) is inherited from the parent.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        try:
+            reply = (rank, "ok", target(rank, world_size, *args))
+        except BaseException:  # report everything, including assertion errors, to the parent
+            reply = (rank, "error", traceback.format_exc())
+        left_a_group = dist.is_initialized()
+        results.put((*reply, slot, not left_a_group))
+        if left_a_group:
+            return  # a group outliving its run would meet the next run's: the pool replaces this rank
+        fresh.restore()
+
+
+class RankPool:
+    """Rank processes reused from one `run` to the next (see the module's docstring)."""
+
+    def __init__(self):
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = []
+        self._tasks: list = []
+        self._results = None
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _ensure(self, world_size: int) -> None:
+        if self._results is None:
+            self._results = self._ctx.Queue()
+        for slot in range(world_size):
+            if slot < len(self._procs) and self._procs[slot].is_alive():
+                continue
+            tasks = self._ctx.Queue()
+            proc = self._ctx.Process(target=_serve, args=(slot, tasks, self._results), daemon=True)
+            proc.start()
+            if slot < len(self._procs):
+                self._procs[slot], self._tasks[slot] = proc, tasks
+            else:
+                self._procs.append(proc)
+                self._tasks.append(tasks)
+
+    def run(self, world_size: int, target, *args, timeout_s: float = 600.0) -> list:
+        """target(rank, world_size, *args) on ranks 0..world_size−1; returns results ordered by rank.
+        Raises AssertionError with the failing rank's traceback, or naming the ranks that did not
+        finish within `timeout_s` (their stacks go to stderr)."""
+        self._ensure(world_size)
+        port = free_port()
+        for rank in range(world_size):
+            self._tasks[rank].put((rank, world_size, port, target, args))
+        results: dict[int, object] = {}
+        error = None
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world_size and error is None:
+            try:
+                rank, status, value, slot, reusable = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue_module.Empty:
+                stuck = [r for r in range(world_size) if r not in results and self._procs[r].is_alive()]
+                for r in stuck:  # each prints every thread's Python stack to stderr
+                    os.kill(self._procs[r].pid, signal.SIGUSR1)
+                time.sleep(3)
+                dead = [f"{r} (exit code {self._procs[r].exitcode})" for r in range(world_size)
+                        if r not in results and not self._procs[r].is_alive()]
+                error = (f"ranks {stuck} did not finish within {timeout_s:.0f} s; their stacks are on stderr"
+                         + (f"; ranks {', '.join(dead)} died" if dead else ""))
+                break
+            if status != "ok":
+                error = f"rank {rank}:\n{value}"
+            results[rank] = value
+            if not reusable:
+                self._procs[slot].join(timeout=30)
+        if error is not None:
+            self.close(graceful=False)  # the other ranks may be stuck in a collective with the failed one
+            raise AssertionError(error)
+        return [results[r] for r in range(world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every rank process: let idle ones exit (`graceful`), kill the rest."""
+        if graceful:
+            for proc, tasks in zip(self._procs, self._tasks):
+                if proc.is_alive():
+                    tasks.put(None)
+        for proc in self._procs:
+            proc.join(timeout=30 if graceful else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs, self._tasks, self._results = [], [], None
 
 
 def run_ranks(world_size: int, target, *args, timeout_s: float = 600.0) -> list:
-    """target(rank, world_size, *args) on each rank; returns results ordered by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, queue, target, args)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    errors = []
+    """target(rank, world_size, *args) on each of `world_size` fresh processes; results by rank."""
+    pool = RankPool()
     try:
-        for _ in procs:
-            try:
-                rank, status, value = queue.get(timeout=timeout_s)
-            except queue_module.Empty:
-                stuck = [r for r, p in enumerate(procs) if r not in results and p.is_alive()]
-                for r in stuck:  # each prints every thread's Python stack to stderr
-                    os.kill(procs[r].pid, signal.SIGUSR1)
-                time.sleep(3)
-                errors.append(f"ranks {stuck} did not finish within {timeout_s:.0f} s; their stacks are on stderr")
-                break
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
+        return pool.run(world_size, target, *args, timeout_s=timeout_s)
     finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 30)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+        pool.close()

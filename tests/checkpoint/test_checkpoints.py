@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
 
 SEQ, MBS, M, STEPS, AT = 16, 2, 4, 6, 3

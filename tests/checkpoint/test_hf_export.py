@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 
 PROBE_SEED = 5
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining.schedules import FORWARD
 
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 from hf_asyncpp.schedules import ScheduleError, get_schedule_spec
 from hf_asyncpp.schedules.async_order import replay_after
 from tests.test_engine import small_model_config

@@ -9,7 +9,7 @@ from pytorch_optimizer import Lion as ReferenceLion
 
 from hf_asyncpp.optim import build_optimizer
 from hf_asyncpp.optim.lion import Lion
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 
 from .sharded_vs_whole import compare_sharded_to_whole
 

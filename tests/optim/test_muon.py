@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from hf_asyncpp.models.presets import build_config
 from hf_asyncpp.optim import build_optimizer
 from hf_asyncpp.optim.muon import Muon, orthogonalize
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 from tests.optim.model_sharded_vs_whole import compare_model_sharded_to_whole
 from tests.optim.sharded_vs_whole import compare_sharded_to_whole
 

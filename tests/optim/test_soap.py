@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from hf_asyncpp.models.presets import build_config
 from hf_asyncpp.optim import build_optimizer
 from hf_asyncpp.optim.soap import SOAP
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 
 from .sharded_vs_whole import compare_sharded_to_whole
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_asyncpp.parallel.spawn import run_ranks
+from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
 
 SEQ, MBS, M, STEPS = 16, 2, 4, 5

@@ -1,0 +1,122 @@
+"""Rank processes for tests and benchmarks: fresh ones per run (`run_ranks`), or a `RankPool` whose
+processes serve run after run. A reused rank must be indistinguishable from a fresh one, and a run
+that fails must never leave a rank behind for the next."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_asyncpp.parallel.spawn import RankPool, run_ranks
+
+
+def _disturb_then_report(rank, world_size, disturb: bool):
+    """What a fresh process would show, after (optionally) changing all of it."""
+    import os
+    import signal
+
+    import torch
+
+    if disturb:
+        os.environ["LEFT_BY_A_RUN"] = "1"
+        os.chdir("/")
+        torch.manual_seed(123)
+        torch.set_default_dtype(torch.float64)
+        torch.set_num_threads(2)
+        signal.signal(signal.SIGTERM, lambda *_: None)
+    return dict(env="LEFT_BY_A_RUN" in os.environ, cwd=os.getcwd(), draw=torch.rand(3).tolist(),
+                dtype=str(torch.get_default_dtype()), threads=torch.get_num_threads(),
+                sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, rank=rank,
+                rank_env=(os.environ["RANK"], os.environ["WORLD_SIZE"]))
+
+
+def _all_reduce_rank(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    init_parallel(read_launch(), 1)
+    try:
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total)
+        return total.item()
+    finally:
+        shutdown_parallel()
+
+
+def _fail_on_rank_one(rank, world_size):
+    import time
+
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    time.sleep(60)  # as a rank waiting in a collective for the failed one would
+
+
+def _leave_a_group(rank, world_size):
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel
+
+    init_parallel(read_launch(), 1)
+    return rank
+
+
+def _hang(rank, world_size):
+    import time
+
+    time.sleep(600)
+
+
+@pytest.fixture
+def pool():
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+def test_a_reused_rank_starts_each_run_as_a_fresh_process_would(pool):
+    fresh = run_ranks(2, _disturb_then_report, False)
+    pool.run(2, _disturb_then_report, True)
+    pids = pool.pids()
+    reused = pool.run(2, _disturb_then_report, False)
+    assert pool.pids() == pids  # the same processes served both runs
+    # A fresh process's generator starts from a random seed: the reused one must not keep the run's.
+    seeded_by_the_run = torch.Generator().manual_seed(123)
+    assert reused[0]["draw"] != torch.rand(3, generator=seeded_by_the_run).tolist()
+    for row in (*fresh, *reused):
+        row.pop("draw")
+    assert reused == fresh
+    assert [r["rank_env"] for r in reused] == [("0", "2"), ("1", "2")]
+
+
+def test_each_run_starts_its_own_process_groups_in_the_same_ranks(pool):
+    assert pool.run(2, _all_reduce_rank) == [1.0, 1.0]
+    pids = pool.pids()
+    assert pool.run(2, _all_reduce_rank) == [1.0, 1.0]
+    assert pool.pids() == pids
+
+
+def test_a_failed_run_names_its_rank_and_retires_every_process(pool):
+    pool.run(2, _all_reduce_rank)
+    before = pool.pids()
+    with pytest.raises(AssertionError, match=r"(?s)rank 1:.*ValueError: rank one refuses"):
+        pool.run(2, _fail_on_rank_one)
+    assert pool.pids() == []  # rank 0, still sleeping, was killed with the rest
+    assert pool.run(2, _all_reduce_rank) == [1.0, 1.0]
+    assert set(pool.pids()).isdisjoint(before)
+
+
+def test_a_rank_left_holding_a_process_group_is_replaced(pool):
+    assert pool.run(2, _leave_a_group) == [0, 1]
+    before = pool.pids()
+    assert pool.run(2, _all_reduce_rank) == [1.0, 1.0]
+    assert set(pool.pids()).isdisjoint(before)
+
+
+def test_a_run_that_does_not_finish_in_time_names_the_stuck_ranks(pool, capfd):
+    pool.run(2, _disturb_then_report, False)  # started: the hang, not the start-up, outlasts the timeout
+    with pytest.raises(AssertionError, match=r"ranks \[0, 1\] did not finish within 5 s"):
+        pool.run(2, _hang, timeout_s=5)
+    assert "_hang" in capfd.readouterr().err  # each stuck rank printed its stack
+    assert pool.pids() == []
