@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import signal
+import sys
 import time
 import traceback
 
@@ -54,8 +55,19 @@ class _ProcessState:
         gc.collect()
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this rank when the thread that started it ends (a test runner killed
+    mid-run would otherwise leave its pool's ranks behind, holding their ports and memory)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _serve(slot: int, tasks, results) -> None:
     """A rank process: run each task from `tasks` until None arrives (or its run left a group)."""
+    _die_with_parent()
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) prints where every thread was
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks a stuck rank where it is
     import torch

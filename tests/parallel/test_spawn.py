@@ -4,10 +4,17 @@ that fails must never leave a rank behind for the next."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
 from hf_asyncpp.parallel.spawn import RankPool, run_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _disturb_then_report(rank, world_size, disturb: bool):
@@ -68,6 +75,18 @@ def _hang(rank, world_size):
     time.sleep(600)
 
 
+_KILLED_PARENT = """
+import sys
+from hf_asyncpp.parallel.spawn import RankPool
+from tests.parallel.test_spawn import _all_reduce_rank
+if __name__ == "__main__":
+    pool = RankPool()
+    pool.run(2, _all_reduce_rank)
+    print(*pool.pids(), flush=True)
+    sys.stdin.read()  # until killed
+"""
+
+
 @pytest.fixture
 def pool():
     pool = RankPool()
@@ -120,3 +139,27 @@ def test_a_run_that_does_not_finish_in_time_names_the_stuck_ranks(pool, capfd):
         pool.run(2, _hang, timeout_s=5)
     assert "_hang" in capfd.readouterr().err  # each stuck rank printed its stack
     assert pool.pids() == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_do_not_outlive_a_killed_parent(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(_KILLED_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited, awaiting its (dead) parent
+    except FileNotFoundError:
+        return False
