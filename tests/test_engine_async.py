@@ -319,3 +319,40 @@ def test_an_asynchronous_pipeline_evaluates_mid_run_without_disturbing_training(
         assert evaluated[2] == plain[2]
     else:
         assert evaluated[0] == pytest.approx(emulated[0], abs=TOL)
+
+
+def _pending_sends_per_step(rank, world_size, schedule, steps):
+    import torch
+
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), world_size)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=world_size, schedule=schedule, seq_len=SEQ,
+                             micro_batch_size=MBS, n_microbatches=M, max_steps=steps)
+        engine = PipelineEngine(config, model_config, layout)
+        rows = torch.randint(0, model_config.vocab_size, (MBS * M, SEQ), generator=torch.Generator().manual_seed(3))
+        pending = []
+        for k in range(steps):
+            engine.train_step(rows, rows if k + 1 < steps else None)
+            pending.append(engine.schedule.pending_send_batches)
+        engine.finish()
+        return pending, engine.schedule.pending_send_batches
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule", ["pipedream-2bw", "wpipe"])
+def test_an_asynchronous_pipeline_keeps_the_sends_of_its_last_two_steps_only(schedule):
+    """gloo frees a sent tensor only once its send is waited for: the runtime waits for each step's
+    sends two steps later, so what a rank keeps stays bounded however long it trains (before, the last
+    stage of a 2BW run kept ~4 more send batches every step, 4 MB a step on the tiny model)."""
+    for pending, after_finish in run_ranks(2, _pending_sends_per_step, schedule, 12):
+        assert max(pending) <= 2 * 2 * M, pending  # two steps, at most one send batch per microbatch and direction
+        assert pending[-2] <= pending[3], pending  # not growing
+        assert after_finish == 0

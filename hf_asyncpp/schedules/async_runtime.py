@@ -14,7 +14,9 @@ microbatches forwarded in step k are backwarded in step k + 1:
   - a stage's update is the program's REDUCE_GRAD action, run after the batch that sends the
     backward's gradient on;
   - sends are never waited for within a step (a send whose receiver is in its next step would tie
-    the two ranks' steps together); `finish()` waits for the last ones.
+    the two ranks' steps together); at the end of step k those of steps ≤ k − 2 are (a receive is
+    posted at most one step after its send), so no more than two steps of sent tensors are kept, and
+    `finish()` waits for the last ones.
 
 `step()` / `eval()` (torch's flushing entry points) are not used on this schedule.
 """
@@ -32,7 +34,11 @@ from .comm_plan import is_compute
 from .runtime import ProgramRuntime
 from .weight_versions import VersionedStage
 
-__all__ = ["AsyncPipelineSchedule"]
+__all__ = ["AsyncPipelineSchedule", "SENDS_KEPT_FOR_STEPS"]
+
+# Sends are waited for this many steps after the step that posted them: every receive of an
+# asynchronous order is posted in its send's step or the next, so the wait never stalls a peer.
+SENDS_KEPT_FOR_STEPS = 2
 
 
 class AsyncPipelineSchedule(ProgramRuntime):
@@ -136,7 +142,7 @@ class AsyncPipelineSchedule(ProgramRuntime):
         flat, batches = self._lowered(program, slot=lambda j: j % self.n_slots)
         self._run_program(flat, batches, arg_mbs, None, target_mbs, return_outputs=False)
         self._rows = {k: r for k, r in self._rows.items() if k > step - 2}
-        self.forget_completed_sends()
+        self.retire_sends(programs_back=SENDS_KEPT_FOR_STEPS)
         self.step_index += 1
 
     def resume_after(self, step: int) -> None:

@@ -51,7 +51,9 @@ class ProgramRuntime(_PipelineScheduleRuntime):
         self._stage_by_index = {stage.stage_index: stage for stage in stages}
         self._batches: deque[tuple[_Action, ...]] = deque()  # this call's batches, in program order
         self._ops_left_in_batch = 0
-        self._send_works: list[_PostedBatch] = []  # posted batches holding sends, not yet known complete
+        self._programs_run = 0
+        # (the program run that posted it, the batch) for posted batches holding sends, not yet known complete
+        self._send_works: list[tuple[int, _PostedBatch]] = []
 
     def _lowered(self, program, slot: Callable[[int], int] = lambda j: j) -> tuple[list[_Action], list[tuple]]:
         """(torch's action list for `program`, its batches): a batch's operations stand in the list
@@ -71,6 +73,7 @@ class ProgramRuntime(_PipelineScheduleRuntime):
     def _run_program(self, flat: list[_Action], batches: list[tuple], *args, **kwargs):
         self.pipeline_order_with_comms = {self.rank: flat}
         self._batches, self._ops_left_in_batch = deque(batches), 0
+        self._programs_run += 1
         return super()._step_microbatches(*args, **kwargs)
 
     def _post_batch_at_first_op(self, action: _Action, ctx) -> None:
@@ -95,14 +98,28 @@ class ProgramRuntime(_PipelineScheduleRuntime):
             elif op.computation_type == RECV_B:
                 self.bwd_recv_ops[(op.stage_index, op.microbatch_index)] = [posted]
         if any(op.computation_type in (SEND_F, SEND_B) for op in ops):
-            self._send_works.append(posted)
+            self._send_works.append((self._programs_run, posted))
+
+    @property
+    def pending_send_batches(self) -> int:
+        """Posted batches holding sends that are kept until known complete (each keeps its tensors)."""
+        return len(self._send_works)
 
     def wait_for_sends(self) -> None:
         while self._send_works:
-            self._send_works.pop().wait()
+            self._send_works.pop()[1].wait()
 
-    def forget_completed_sends(self) -> None:
-        self._send_works = [posted for posted in self._send_works if not posted.is_completed()]
+    def retire_sends(self, programs_back: int) -> None:
+        """Forget the sends known complete, and wait for those posted `programs_back` or more program
+        runs ago. gloo reports a send complete only once it is waited for, so without the wait an
+        asynchronous CPU run would keep every activation and gradient it ever sent. Waiting cannot
+        stall a peer as long as every receive is posted less than `programs_back` runs after its send
+        (tests/schedules/test_comm_plan.py pins that for the asynchronous orders)."""
+        due = self._programs_run - programs_back
+        for run, posted in self._send_works:
+            if run <= due:
+                posted.wait()
+        self._send_works = [(run, posted) for run, posted in self._send_works if not posted.is_completed()]
 
 
 class _PostedBatch:

@@ -8,10 +8,11 @@ after a resume; and the planner refuses orders that would need a chunk buffer st
 from __future__ import annotations
 
 import pytest
-from torch.distributed.pipelining.schedules import REDUCE_GRAD, SEND_B, _Action
+from torch.distributed.pipelining.schedules import RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, _Action
 
-from hf_asyncpp.schedules import SCHEDULES
+from hf_asyncpp.schedules import SCHEDULES, ScheduleError
 from hf_asyncpp.schedules.async_order import SegmentPrograms, replay_after
+from hf_asyncpp.schedules.async_runtime import SENDS_KEPT_FOR_STEPS
 from hf_asyncpp.schedules.comm_plan import CommPlanner, P2PBatch, PlanError, plan_program
 from hf_asyncpp.schedules.actions import one_f_one_b_actions
 
@@ -98,3 +99,42 @@ def test_every_message_is_planned_once_on_each_side():
     program = plan_program(one_f_one_b_actions(4, 6), lambda s: s, 4)
     ops = [op for ops in program.values() for e in ops if isinstance(e, P2PBatch) for op in e.ops]
     assert len(ops) == len(set(ops)) == 4 * 3 * 6  # 3 boundaries × 6 microbatches × (F, B) × (send, receive)
+
+
+def _steps_from_send_to_receive(per_step: dict[int, list]) -> list[int]:
+    """For every message of these per-rank, per-step programs: the step its receive is posted in
+    minus the step its send is posted in (ops name the posting stage: F goes s → s + 1, B s → s − 1)."""
+    sent, received = {}, {}
+    for steps in per_step.values():
+        for k, program in enumerate(steps):
+            for op in (op for e in program if isinstance(e, P2PBatch) for op in e.ops):
+                kind, s, j = op.computation_type, op.stage_index, op.microbatch_index
+                if kind in (SEND_F, SEND_B):
+                    sent[(kind == SEND_F, s + 1 if kind == SEND_F else s - 1, j)] = k
+                else:
+                    received[(kind == RECV_F, s, j)] = k
+    assert sent.keys() == received.keys()
+    return [received[key] - sent[key] for key in sent]
+
+
+@pytest.mark.parametrize("name", ASYNC)
+def test_every_receive_is_posted_before_the_runtime_waits_for_its_send(name):
+    """The runtime waits, at the end of step k, for the sends of steps ≤ k − SENDS_KEPT_FOR_STEPS
+    (gloo frees a send only once waited for). That cannot stall a peer if each receive is posted
+    less than SENDS_KEPT_FOR_STEPS steps after its send: checked over pp 2…8 and every m up to 2·pp
+    the schedule accepts, from the start and after a resume's replay."""
+    spec, steps = SCHEDULES[name], 6
+    lags = []
+    for pp_size in range(2, 9):
+        for m in range(1, 2 * pp_size + 1):
+            try:
+                spec.check_microbatches(pp_size, m)
+            except ValueError:
+                continue
+            lags += _steps_from_send_to_receive(programs(spec, pp_size, m, steps)[1])
+            try:
+                replay = replay_after(spec.order, pp_size, m, 2, steps)
+            except ScheduleError:  # WPipe cannot resume mid-run
+                continue
+            lags += _steps_from_send_to_receive(programs(spec, pp_size, m, steps, start_step=3, replay=replay)[1])
+    assert min(lags) == 0 and max(lags) < SENDS_KEPT_FOR_STEPS, (min(lags), max(lags))
