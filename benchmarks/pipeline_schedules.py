@@ -1,7 +1,8 @@
 """Step time, tokens/s, idle (bubble) fraction and peak memory of the pipeline schedules, side by side.
 
-Setup: the "tiny-moe" preset (random init), pp = 2 on 2 gloo ranks spawned here, seq_len 128,
-micro_batch_size 8, one torch thread per rank, AdamW, synthetic token rows (same rows for every arm).
+Setup: a model (`--model`: a preset or config.json; default "tiny-moe", random init), pp = 2 on 2 gloo
+ranks spawned here, seq_len 128 and micro_batch_size 8 (`--seq-len`, `--micro-batch-size`), one torch
+thread per rank, AdamW, synthetic token rows (same rows for every arm).
 Arms: schedule × m (n_microbatches); two-stage-per-rank schedules (WPipe) cut the model into 2p stages. Each arm runs in fresh processes (so peak RSS is its own) and
 takes --warmup + --steps consecutive optimizer steps without any barrier between them (a barrier
 per step would re-create the bubble an asynchronous schedule removes), plus, for asynchronous
@@ -9,7 +10,9 @@ schedules, the final draining step, which is not measured.
 
 Measured per arm and rank:
   - step time and tokens/s (step time: the slower rank's mean);
-  - idle fraction: 1 − (time inside stage compute and loss) / step time;
+  - idle fraction: 1 − (time inside stage compute and loss) / step time, and that busy time itself
+    beside 1F1B's at the same m (the same stage and microbatches: an asynchronous schedule's weight
+    stashing shows as busy time above 1.00);
   - the bubble-free limit: the same rank's forward + backward of the same m microbatches run
     directly on its stage module, outside the pipeline (no communication, no waiting) — the step
     time no schedule can beat; the slowest rank's limit is the pipeline's ceiling;
@@ -18,7 +21,8 @@ Theoretical idle (p − 1)/(m + p − 1) is printed for reference: stages are un
 lm_head and the loss), so the measured limit, not the formula, is the ceiling.
 
     python benchmarks/pipeline_schedules.py [--schedules gpipe,1f1b,pipedream-2bw,wpipe,pipedream]
-        [--microbatches 2,4,8] [--steps 8] [--warmup 3] [--out benchmarks/results/pipeline_schedules.json]
+        [--microbatches 2,4,8] [--steps 8] [--warmup 3] [--model tiny-moe] [--seq-len 128]
+        [--micro-batch-size 8] [--out benchmarks/results/pipeline_schedules.json]
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import statistics
 import time
 from pathlib import Path
 
-PRESET, SEQ_LEN, MBS, PP = "tiny-moe", 128, 8, 2
+PP = 2
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pipeline_schedules.json"
 
 
@@ -54,7 +58,7 @@ def _bubble_free_ms(engine, rows, repeats: int) -> float:
                 if module.is_first:
                     args = (mb,)
                 else:
-                    args = (torch.randn(mb.shape[0], SEQ_LEN, module.config.hidden_size, requires_grad=True),)
+                    args = (torch.randn(*mb.shape, module.config.hidden_size, requires_grad=True),)
                     if module.carries_router_stats:
                         args += (torch.zeros(2 * module.num_experts + 1, requires_grad=True),)
                 out = module(*args)
@@ -78,17 +82,18 @@ def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
 
     layout = init_parallel(read_launch(), PP)
     try:
-        model_config = build_config(PRESET)
+        model_config = build_config(args.model)
         from hf_asyncpp.schedules import get_schedule_spec
 
         synchronous = get_schedule_spec(schedule).synchronous
         total = args.warmup + args.steps + (0 if synchronous else 1)  # + the draining step
-        config = TrainConfig(model_config=PRESET, pp_size=PP, schedule=schedule, n_microbatches=m,
-                             micro_batch_size=MBS, seq_len=SEQ_LEN, optimizer="adamw", learning_rate=1e-3,
+        config = TrainConfig(model_config=args.model, pp_size=PP, schedule=schedule, n_microbatches=m,
+                             micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, optimizer="adamw", learning_rate=1e-3,
                              lr_scheduler_type="constant", max_steps=total, seed=0)
         engine = PipelineEngine(config, model_config, layout)
         gen = torch.Generator().manual_seed(1234)
-        rows = [torch.randint(0, model_config.vocab_size, (m * MBS, SEQ_LEN), generator=gen) for _ in range(total)]
+        rows = [torch.randint(0, model_config.vocab_size, (m * args.micro_batch_size, args.seq_len), generator=gen)
+                for _ in range(total)]
         samples = []
         for step in range(total):
             result = engine.train_step(rows[step], rows[step + 1] if step + 1 < total else None)
@@ -117,6 +122,7 @@ def _run_arm(args, schedule: str, m: int) -> dict:
         step_ms_stdev=1e3 * statistics.stdev(step_s) if len(step_s) > 1 else 0.0,
         tokens_per_s=tokens * len(step_s) / sum(step_s),
         idle_fraction_per_rank=[statistics.mean(max(0.0, 1 - b / t) for b, t, _ in r["samples"]) for r in ranks],
+        busy_ms_per_rank=[1e3 * statistics.mean(b for b, _, _ in r["samples"]) for r in ranks],
         bubble_free_ms_per_rank=[r["bubble_free_ms"] for r in ranks],
         bubble_free_ms=limit_ms,
         step_over_limit=1e3 * statistics.mean(step_s) / limit_ms,
@@ -127,16 +133,21 @@ def _run_arm(args, schedule: str, m: int) -> dict:
 
 
 def _print_table(results: list[dict]) -> None:
-    base = {r["n_microbatches"]: r["step_ms"] for r in results if r["schedule"] == "1f1b"}
+    base = {r["n_microbatches"]: r for r in results if r["schedule"] == "1f1b"}
     print("| schedule | m | step ms | tokens/s | vs 1f1b | bubble-free limit ms | step / limit | idle r0 | idle r1 "
-          "| theor. idle | peak RSS MB r0 / r1 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| busy ms r0 / r1 | busy vs 1f1b r0 / r1 | theor. idle | peak RSS MB r0 / r1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    nan = dict(step_ms=float("nan"), busy_ms_per_rank=[float("nan")] * PP)
     for r in results:
-        speedup = base.get(r["n_microbatches"], float("nan")) / r["step_ms"]
+        ref = base.get(r["n_microbatches"], nan)
+        speedup = ref["step_ms"] / r["step_ms"]
         idle0, idle1 = r["idle_fraction_per_rank"]
+        busy0, busy1 = r["busy_ms_per_rank"]
+        ratio0, ratio1 = (b / a for b, a in zip(r["busy_ms_per_rank"], ref["busy_ms_per_rank"]))
         rss0, rss1 = r["peak_rss_mb_per_rank"]
         print(f"| {r['schedule']} | {r['n_microbatches']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
               f"{speedup:.2f}× | {r['bubble_free_ms']:.0f} | {r['step_over_limit']:.3f} | {idle0:.3f} | {idle1:.3f} | "
+              f"{busy0:.0f} / {busy1:.0f} | {ratio0:.3f} / {ratio1:.3f} | "
               f"{r['theoretical_idle']:.3f} | {rss0:.0f} / {rss1:.0f} |")
 
 
@@ -146,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", default="2,4,8")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per arm")
     parser.add_argument("--warmup", type=int, default=3, help="discarded steps per arm (the first: shape inference)")
+    parser.add_argument("--model", default="tiny-moe", help="a preset, a config.json or a model directory")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     if args.steps < 2 or args.warmup < 1:
@@ -164,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
-    meta = dict(preset=PRESET, seq_len=SEQ_LEN, micro_batch_size=MBS, pp_size=PP, dp_size=1, backend="gloo",
+    meta = dict(model=args.model, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, pp_size=PP, dp_size=1, backend="gloo",
                 threads_per_rank=1, optimizer="adamw", warmup_steps=args.warmup, measured_steps=args.steps,
                 torch=torch.__version__, transformers=transformers.__version__, cpu_count=os.cpu_count(),
                 machine=platform.machine(), python=platform.python_version(),
@@ -172,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
-    print(f"\n{PRESET}, pp={PP}, seq_len={SEQ_LEN}, micro_batch_size={MBS}, 1 thread/rank, "
+    print(f"\n{args.model}, pp={PP}, seq_len={args.seq_len}, micro_batch_size={args.micro_batch_size}, 1 thread/rank, "
           f"mean of {args.steps} steps after {args.warmup} warm-up steps\n")
     _print_table(results)
     print(f"\nwrote {out}; total {time.perf_counter() - start:.0f}s")
