@@ -69,10 +69,10 @@ def comm_ops(program):
 # --------------------------------------------------------------------------------------------
 
 
-def supported_grid():
-    """Every registered schedule, pp 2…8, m from the smallest it accepts to 2·pp (its own placement:
-    loop for one and two stages per rank, V for zbv)."""
-    for name, spec in sorted(SCHEDULES.items()):
+def supported_grid(names=None):
+    """Every registered schedule (or those named), pp 2…8, m from the smallest it accepts to 2·pp (its
+    own placement: loop for one and two stages per rank, V for zbv)."""
+    for name, spec in sorted((n, SCHEDULES[n]) for n in (names or SCHEDULES)):
         for pp_size in range(2, 9):
             for m in range(1, 2 * pp_size + 1):
                 try:
