@@ -18,8 +18,8 @@ it in the buffer of the next version. Nothing a pending backward still needs is 
 
 Unsharded fp32 stages compute on the buffers themselves. When the stage is sharded over dp (the
 master and the buffers are DTensors holding 1/dp of the rows, parallel/fsdp.py) or computes in
-bf16, a buffer's compute copy is gathered (and cast) at its first forward, kept while microbatches
-use it, dropped when the buffer is overwritten; its accumulated gradient is reduce-scattered in
+bf16, a buffer's compute copy is cast and gathered at its first forward (one all-gather per dtype,
+parallel/fsdp.gather_whole), kept while microbatches use it, dropped when the buffer is overwritten; its accumulated gradient is reduce-scattered in
 fp32 and averaged over dp on its way to the master (what FSDP2 does with reshard_after_forward=False).
 
 Persistent buffers that training changes (DeepSeek-V3's routing biases, updated with the weights:
@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 from torch.func import functional_call
 
-from ..parallel.fsdp import keeps_fp32
+from ..parallel.fsdp import gather_whole, keeps_fp32
 
 __all__ = ["MASTER", "VersionedStage"]
 
@@ -92,9 +92,10 @@ class VersionedStage(nn.Module):
     def compute_copy(self, buffer: int) -> dict[str, torch.Tensor]:
         """The tensors forward and backward of microbatches bound to `buffer` run on."""
         if self._compute[buffer] is None:
-            self._compute[buffer] = {n: v if n in self._versioned_buffers else
-                                     self._whole(v, keeps_fp32(n, self._fp32_patterns), self._trainable[n])
-                                     for n, v in self.buffers_[buffer].items()}
+            versions = self.buffers_[buffer]
+            copies = self._copies({n: v for n, v in versions.items() if n not in self._versioned_buffers})
+            self._compute[buffer] = {n: copies[n].requires_grad_(self._trainable[n]) if n in copies else v
+                                     for n, v in versions.items()}
             sums = self._grad_sums[buffer]
             for name, tensor in self._compute[buffer].items():
                 if tensor.requires_grad and torch.finfo(tensor.dtype).bits < 32:  # bf16 / fp16 compute
@@ -118,12 +119,15 @@ class VersionedStage(nn.Module):
         return [c for c, b in zip(self._compute, self.buffers_) if c is not None and any(
             c[n] is not t for n, t in b.items())]
 
-    def _whole(self, version: torch.Tensor, keep_fp32: bool, trainable: bool) -> torch.Tensor:
-        if not self._gathers(version):
-            return version
-        whole = version.full_tensor() if isinstance(version, DTensor) else version
-        dtype = whole.dtype if keep_fp32 or self.compute_dtype is None else self.compute_dtype
-        return whole.to(dtype).detach().requires_grad_(trainable)
+    def _copies(self, versions: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole copies in the compute dtype of those of `versions` that need one (sharded or cast),
+        gathered together (parallel/fsdp.gather_whole); the others are computed on as they are."""
+        def dtype_of(name: str, tensor: torch.Tensor) -> torch.dtype:
+            keep = keeps_fp32(name, self._fp32_patterns) or self.compute_dtype is None
+            return tensor.dtype if keep else self.compute_dtype
+
+        needing = {n: v for n, v in versions.items() if self._gathers(v)}
+        return gather_whole(needing, dtype_of) if needing else {}
 
     @contextlib.contextmanager
     def evaluating_master(self):
@@ -131,8 +135,8 @@ class VersionedStage(nn.Module):
         until the block ends; the previous binding is restored."""
         previous = self.active
         with torch.no_grad():
-            self._master_copy = {n: self._whole(p, keeps_fp32(n, self._fp32_patterns), False)
-                                 for n, p in self.inner.named_parameters()}
+            params = dict(self.inner.named_parameters())
+            self._master_copy = {**params, **self._copies(params)}
         self.active = MASTER
         try:
             yield

@@ -187,3 +187,53 @@ def test_under_bf16_deepseek_v3_routers_still_compute_in_fp32(pp_size, schedule)
     bf16 policy must too, or expert choice would follow bf16-rounded scores."""
     for seen in run_ranks(2 * pp_size, _dtypes_seen_in_forward, pp_size, schedule):
         assert seen == {"router": {"torch.float32"}, "attention": {"torch.bfloat16"}}, seen
+
+
+def _gathered_vs_full_tensor(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hf_asyncpp.parallel.fsdp import gather_whole
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    init_parallel(read_launch(), 1)
+    original = dist.all_gather_into_tensor
+    calls = []
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        gen = torch.Generator().manual_seed(0)
+        # uneven rows (5 over 2), a rank without rows (1 over 2), 1-D, 3-D, 0-d (replicated), unsharded
+        whole = {"uneven": torch.randn(5, 3, generator=gen), "one_row": torch.randn(1, 4, generator=gen),
+                 "vector": torch.randn(6, generator=gen), "stack": torch.randn(3, 2, 4, generator=gen),
+                 "keep_fp32": torch.randn(3, 2, generator=gen), "scalar": torch.randn((), generator=gen),
+                 "plain": torch.randn(2, 2, generator=gen)}
+        tensors = {n: t if n == "plain" else distribute_tensor(t, mesh, [Replicate() if t.ndim == 0 else Shard(0)])
+                   for n, t in whole.items()}
+
+        def counting(*args, **kwargs):
+            calls.append(args[1].dtype)
+            return original(*args, **kwargs)
+
+        dist.all_gather_into_tensor = counting
+        dtype_of = lambda name, t: torch.float32 if name == "keep_fp32" else torch.bfloat16
+        gathered = gather_whole(tensors, dtype_of)
+        return dict(equal={n: bool(torch.equal(gathered[n], whole[n].to(dtype_of(n, whole[n])))) for n in whole},
+                    dtypes={n: str(g.dtype) for n, g in gathered.items()}, collectives=sorted(map(str, calls)))
+    finally:
+        dist.all_gather_into_tensor = original
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_a_versions_compute_copy_is_gathered_in_its_dtype_with_one_collective_per_dtype():
+    """gather_whole (the weight versions' compute copies) equals full_tensor() cast to the compute
+    dtype bit for bit — the cast is elementwise, so casting before the gather changes nothing — for
+    uneven and empty row shards, 1-D to 3-D tensors, replicated scalars and unsharded tensors, and
+    needs one all-gather per dtype instead of one per parameter (bf16 moves half fp32's bytes)."""
+    for report in run_ranks(2, _gathered_vs_full_tensor):
+        assert all(report["equal"].values()), report["equal"]
+        assert report["dtypes"]["keep_fp32"] == "torch.float32" and report["dtypes"]["uneven"] == "torch.bfloat16"
+        assert report["collectives"] == ["torch.bfloat16", "torch.float32"]
