@@ -146,14 +146,16 @@ def main() -> None:
     args.out.write_text(json.dumps(dict(setup=dict(setup, pp=PP, model=str(MODEL_DIR.relative_to(ROOT))), ranks=rows,
                                         resume_exact=exact, checkpoint_and_export_bytes=sum(on_disk.values())),
                                    indent=2) + "\n")
-    print(f"moe_2b shapes, {args.layers} layers, pp {PP}; resumed step's loss equals the uninterrupted run's: {exact}")
-    print("| rank | stages | baseline MiB | state MiB | " + " | ".join(
-        f"{p} s / peak MiB / (peak − base) ÷ state" for p in ("start_up", "steps", "save", "export", "resume")) + " |")
-    print("|---:|---|---:|---:|" + "---|" * 5)
+    print(f"moe_2b shapes, {args.layers} layers, pp {PP}; "
+          f"resumed step's loss equals the uninterrupted run's: {exact}")
+    phases = ("start_up", "steps", "save", "export", "resume")
+    print("| rank | stages | baseline MiB | state MiB | "
+          + " | ".join(f"{p} s / peak MiB / (peak − base) ÷ state" for p in phases) + " |")
+    print("|---:|---|---:|---:|" + "---|" * len(phases))
     for row in rows:
-        cells = [f"{row[p]['seconds']} / {row[p]['peak_rss_mib']} / {row[p]['over_baseline_per_state']}"
-                 for p in ("start_up", "steps", "save", "export", "resume")]
-        print(f"| {row['rank']} | {row['stages']} | {row['baseline_mib']} | {row['state_mib']} | " + " | ".join(cells) + " |")
+        cells = [f"{row[p]['seconds']} / {row[p]['peak_rss_mib']} / {row[p]['over_baseline_per_state']}" for p in phases]
+        print(f"| {row['rank']} | {row['stages']} | {row['baseline_mib']} | {row['state_mib']} | "
+              + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ def _gather_rows(sharded: list[tuple[str, DTensor]], dtype: torch.dtype) -> dict
     blocks = []
     for (_, tensor), r in zip(sharded, rows):
         local = tensor.to_local().detach().to(dtype)
-        blocks.append(torch.nn.functional.pad(local.reshape(-1), (0, (r - local.shape[0]) * math.prod(tensor.shape[1:]))))
+        missing_rows = r - local.shape[0]
+        blocks.append(torch.nn.functional.pad(local.reshape(-1), (0, missing_rows * math.prod(tensor.shape[1:]))))
     mine = torch.cat(blocks)
     everyone = torch.empty(dp * mine.numel(), dtype=dtype, device=mine.device)
     dist.all_gather_into_tensor(everyone, mine, group=mesh.get_group())

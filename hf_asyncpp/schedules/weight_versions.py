@@ -19,8 +19,9 @@ it in the buffer of the next version. Nothing a pending backward still needs is 
 Unsharded fp32 stages compute on the buffers themselves. When the stage is sharded over dp (the
 master and the buffers are DTensors holding 1/dp of the rows, parallel/fsdp.py) or computes in
 bf16, a buffer's compute copy is cast and gathered at its first forward (one all-gather per dtype,
-parallel/fsdp.gather_whole), kept while microbatches use it, dropped when the buffer is overwritten; its accumulated gradient is reduce-scattered in
-fp32 and averaged over dp on its way to the master (what FSDP2 does with reshard_after_forward=False).
+parallel/fsdp.gather_whole), kept while microbatches use it, dropped when the buffer is overwritten;
+its accumulated gradient is reduce-scattered in fp32 and averaged over dp on its way to the master
+(what FSDP2 does with reshard_after_forward=False).
 
 Persistent buffers that training changes (DeepSeek-V3's routing biases, updated with the weights:
 models/routing_bias.py) are versioned with the weights: each version buffer holds them beside the
