@@ -126,10 +126,16 @@ class RankPool:
         port = free_port()
         for rank in range(world_size):
             self._tasks[rank].put((rank, world_size, port, target, args))
+        try:
+            return self._collect(world_size, timeout_s)
+        except BaseException:  # a failed rank, a timeout, or the caller interrupted (^C, a test timeout)
+            self.close(graceful=False)  # ranks may still run this task, or be stuck in a collective
+            raise
+
+    def _collect(self, world_size: int, timeout_s: float) -> list:
         results: dict[int, object] = {}
-        error = None
         deadline = time.monotonic() + timeout_s
-        while len(results) < world_size and error is None:
+        while len(results) < world_size:
             try:
                 rank, status, value, slot, reusable = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue_module.Empty:
@@ -139,17 +145,13 @@ class RankPool:
                 time.sleep(3)
                 dead = [f"{r} (exit code {self._procs[r].exitcode})" for r in range(world_size)
                         if r not in results and not self._procs[r].is_alive()]
-                error = (f"ranks {stuck} did not finish within {timeout_s:.0f} s; their stacks are on stderr"
-                         + (f"; ranks {', '.join(dead)} died" if dead else ""))
-                break
+                raise AssertionError(f"ranks {stuck} did not finish within {timeout_s:.0f} s; their stacks are on "
+                                     "stderr" + (f"; ranks {', '.join(dead)} died" if dead else "")) from None
             if status != "ok":
-                error = f"rank {rank}:\n{value}"
+                raise AssertionError(f"rank {rank}:\n{value}")
             results[rank] = value
             if not reusable:
                 self._procs[slot].join(timeout=30)
-        if error is not None:
-            self.close(graceful=False)  # the other ranks may be stuck in a collective with the failed one
-            raise AssertionError(error)
         return [results[r] for r in range(world_size)]
 
     def close(self, graceful: bool = True) -> None:

@@ -5,6 +5,7 @@ that fails must never leave a rank behind for the next."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,6 +132,25 @@ def test_a_rank_left_holding_a_process_group_is_replaced(pool):
     before = pool.pids()
     assert pool.run(2, _all_reduce_rank) == [1.0, 1.0]
     assert set(pool.pids()).isdisjoint(before)
+
+
+def test_a_run_the_caller_interrupts_retires_every_process(pool):
+    """A test runner's timeout or ^C raises in the caller while the ranks still run: the next run
+    must not be queued behind them."""
+    pool.run(2, _disturb_then_report, False)
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    signal.alarm(2)
+    try:
+        with pytest.raises(TimeoutError):
+            pool.run(2, _hang)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert pool.pids() == []
+    assert pool.run(2, _all_reduce_rank) == [1.0, 1.0]
+
+
+def _interrupt(signum, frame):
+    raise TimeoutError("interrupted by the caller")
 
 
 def test_a_run_that_does_not_finish_in_time_names_the_stuck_ranks(pool, capfd):
