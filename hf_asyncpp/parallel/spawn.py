@@ -2,7 +2,7 @@
 each returns: the tests' and benchmarks' way to start a small distributed job without a launcher.
 
 `run_ranks` starts fresh processes for one run (benchmarks measure memory and start-up that way).
-A `RankPool` keeps its processes between runs: a test suite of a hundred multi-rank runs otherwise
+A `RankPool` keeps its processes between runs: a test suite of dozens of multi-rank runs otherwise
 spends most of its time importing torch and transformers again in every rank. Each run still starts
 its own process groups; between runs a rank is put back to the state a fresh process has (below,
 `_ProcessState`), and a run that fails or times out retires every process of the pool, so no run
@@ -65,7 +65,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _serve(slot: int, tasks, results) -> None:
+def _serve(tasks, results) -> None:
     """A rank process: run each task from `tasks` until None arrives (or its run left a group)."""
     _die_with_parent()
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) prints where every thread was
@@ -85,7 +85,7 @@ def _serve(slot: int, tasks, results) -> None:
         except BaseException:  # report everything, including assertion errors, to the parent
             reply = (rank, "error", traceback.format_exc())
         left_a_group = dist.is_initialized()
-        results.put((*reply, slot, not left_a_group))
+        results.put((*reply, not left_a_group))
         if left_a_group:
             return  # a group outliving its run would meet the next run's: the pool replaces this rank
         fresh.restore()
@@ -106,14 +106,14 @@ class RankPool:
     def _ensure(self, world_size: int) -> None:
         if self._results is None:
             self._results = self._ctx.Queue()
-        for slot in range(world_size):
-            if slot < len(self._procs) and self._procs[slot].is_alive():
+        for rank in range(world_size):  # the process at index r always runs rank r
+            if rank < len(self._procs) and self._procs[rank].is_alive():
                 continue
             tasks = self._ctx.Queue()
-            proc = self._ctx.Process(target=_serve, args=(slot, tasks, self._results), daemon=True)
+            proc = self._ctx.Process(target=_serve, args=(tasks, self._results), daemon=True)
             proc.start()
-            if slot < len(self._procs):
-                self._procs[slot], self._tasks[slot] = proc, tasks
+            if rank < len(self._procs):
+                self._procs[rank], self._tasks[rank] = proc, tasks
             else:
                 self._procs.append(proc)
                 self._tasks.append(tasks)
@@ -137,7 +137,7 @@ class RankPool:
         deadline = time.monotonic() + timeout_s
         while len(results) < world_size:
             try:
-                rank, status, value, slot, reusable = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+                rank, status, value, reusable = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue_module.Empty:
                 stuck = [r for r in range(world_size) if r not in results and self._procs[r].is_alive()]
                 for r in stuck:  # each prints every thread's Python stack to stderr
@@ -151,7 +151,7 @@ class RankPool:
                 raise AssertionError(f"rank {rank}:\n{value}")
             results[rank] = value
             if not reusable:
-                self._procs[slot].join(timeout=30)
+                self._procs[rank].join(timeout=30)
         return [results[r] for r in range(world_size)]
 
     def close(self, graceful: bool = True) -> None:
