@@ -23,9 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-__all__ = ["compute_dtype", "fully_shard_stage", "gather_whole", "keeps_fp32", "shard_parameters"]
+__all__ = ["compute_dtype", "fully_shard_stage", "gather_whole", "keeps_fp32", "reduce_scatter_rows",
+           "shard_parameters"]
 
 _DTYPES = {"no": None, "bf16": torch.bfloat16}
 
@@ -75,43 +76,117 @@ def shard_parameters(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 def gather_whole(tensors: dict[str, torch.Tensor], dtype_of: Callable[[str, torch.Tensor], torch.dtype]
                  ) -> dict[str, torch.Tensor]:
     """Whole, detached copies of `tensors` in the dtype `dtype_of(name, tensor)` names. The row shards
-    (Shard(0) DTensors over one dp mesh, `shard_parameters`) are cast first and gathered in one
-    all-gather per dtype: a bf16 compute copy moves half the bytes of an fp32 gather, in one collective
-    instead of one per parameter. Casting before the gather gives the same values as after it."""
+    (Shard(0) DTensors over one dp mesh, `shard_parameters`) are cast first and gathered by dtype in
+    buckets of about BUCKET_BYTES, one all-gather each: a bf16 compute copy moves half the bytes of an
+    fp32 gather, in a few collectives instead of one per parameter. Casting before the gather gives
+    the same values as after it."""
     whole: dict[str, torch.Tensor] = {}
-    buckets: dict[torch.dtype, list[tuple[str, DTensor]]] = {}
+    by_dtype: dict[torch.dtype, list[tuple[str, DTensor]]] = {}
     for name, tensor in tensors.items():
         dtype = dtype_of(name, tensor)
-        if isinstance(tensor, DTensor) and tensor.placements[0].is_shard(0):
-            buckets.setdefault(dtype, []).append((name, tensor))
+        if _is_row_shard(tensor):
+            by_dtype.setdefault(dtype, []).append((name, tensor))
         else:
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # replicated (0-d)
             whole[name] = local.detach().to(dtype)
-    for dtype, sharded in buckets.items():
-        whole.update(_gather_rows(sharded, dtype))
+    for dtype, sharded in by_dtype.items():
+        for bucket in _buckets(sharded, dtype):
+            whole.update(_gather_rows(bucket, dtype))
     return {name: whole[name] for name in tensors}
 
 
+@torch.no_grad()
+def reduce_scatter_rows(sums: dict[str, torch.Tensor], like: dict[str, DTensor], scale: float
+                        ) -> dict[str, DTensor]:
+    """Gradients of the sharded parameters `like`: scale × the average over dp of each replica's whole
+    `sums[name]`, as DTensors placed like `like[name]`. Reduced in fp32 whatever the compute dtype
+    (as the synchronous stages' FSDP2 policy does), by buckets of about BUCKET_BYTES, one
+    reduce-scatter each. Row shards only; anything else is all-reduced by DTensor."""
+    reduced: dict[str, DTensor] = {}
+    rows = [(n, like[n]) for n in sums if _is_row_shard(like[n])]
+    for bucket in _buckets(rows, torch.float32):
+        reduced.update(_reduce_scatter_rows(bucket, sums, scale))
+    for name in sums:
+        if name not in reduced:  # replicated (0-d): an all-reduce
+            param = like[name]
+            partial = DTensor.from_local(sums[name].float(), param.device_mesh, [Partial("sum")], run_check=False)
+            reduced[name] = partial.redistribute(param.device_mesh, param.placements).mul_(
+                scale / param.device_mesh.size())
+    return reduced
+
+
+BUCKET_BYTES = 128 << 20  # whole bytes per collective: amortises its latency, bounds its flat copy
+
+
+def _is_row_shard(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor) and tensor.placements[0].is_shard(0)
+
+
+def _buckets(sharded: list[tuple[str, DTensor]], dtype: torch.dtype) -> list[list[tuple[str, DTensor]]]:
+    """`sharded` in order, cut where a bucket's whole bytes would pass BUCKET_BYTES (a larger tensor
+    is a bucket of its own)."""
+    buckets: list[list[tuple[str, DTensor]]] = []
+    size = BUCKET_BYTES
+    for name, tensor in sharded:
+        nbytes = tensor.numel() * dtype.itemsize
+        if size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return buckets
+
+
+def _padded_rows(tensor: DTensor) -> tuple[int, int]:
+    """(r, elements per row): Shard(0) gives rank i the rows [i·r, min((i+1)·r, n)) with r = ⌈n / dp⌉,
+    so rank i's block padded to r rows is rows [i·r, (i+1)·r) of the whole tensor, and the padding all
+    lies beyond row n. Flat buffers hold these blocks side by side."""
+    return math.ceil(tensor.shape[0] / tensor.device_mesh.size()), math.prod(tensor.shape[1:])
+
+
 def _gather_rows(sharded: list[tuple[str, DTensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One all-gather of row shards. Shard(0) gives rank i the rows [i·r, min((i+1)·r, n)) with
-    r = ⌈n / dp⌉, so each rank pads its rows to r: rank i's padded block is then rows [i·r, (i+1)·r)
-    of the whole tensor and the padding all lies beyond row n."""
+    """One all-gather of row shards."""
     mesh = sharded[0][1].device_mesh
     dp = mesh.size()
-    rows = [math.ceil(t.shape[0] / dp) for _, t in sharded]
     blocks = []
-    for (_, tensor), r in zip(sharded, rows):
+    for _, tensor in sharded:
+        r, per_row = _padded_rows(tensor)
         local = tensor.to_local().detach().to(dtype)
-        missing_rows = r - local.shape[0]
-        blocks.append(torch.nn.functional.pad(local.reshape(-1), (0, missing_rows * math.prod(tensor.shape[1:]))))
+        blocks.append(torch.nn.functional.pad(local.reshape(-1), (0, (r - local.shape[0]) * per_row)))
     mine = torch.cat(blocks)
     everyone = torch.empty(dp * mine.numel(), dtype=dtype, device=mine.device)
-    dist.all_gather_into_tensor(everyone, mine, group=mesh.get_group())
+    dist.all_gather_single(everyone, mine, group=mesh.get_group())
     everyone = everyone.view(dp, -1)
     whole, offset = {}, 0
-    for (name, tensor), r in zip(sharded, rows):
-        size = r * math.prod(tensor.shape[1:])
-        padded = everyone[:, offset:offset + size].reshape(dp * r, *tensor.shape[1:])
+    for name, tensor in sharded:
+        r, per_row = _padded_rows(tensor)
+        padded = everyone[:, offset:offset + r * per_row].reshape(dp * r, *tensor.shape[1:])
         whole[name] = padded[: tensor.shape[0]].clone()
-        offset += size
+        offset += r * per_row
     return whole
+
+
+def _reduce_scatter_rows(sharded: list[tuple[str, DTensor]], sums: dict[str, torch.Tensor], scale: float
+                         ) -> dict[str, DTensor]:
+    """One reduce-scatter: every replica lays its whole fp32 tensors out as dp blocks of padded rows
+    (block i: each tensor's rows [i·r, (i+1)·r)), and block i's sum over dp arrives at rank i."""
+    mesh = sharded[0][1].device_mesh
+    dp, me = mesh.size(), mesh.get_local_rank()
+    blocks = []
+    for name, tensor in sharded:
+        r, per_row = _padded_rows(tensor)
+        flat = sums[name].detach().float().reshape(-1)
+        blocks.append(torch.nn.functional.pad(flat, (0, (dp * r - tensor.shape[0]) * per_row)).view(dp, -1))
+    everyone = torch.cat(blocks, dim=1).reshape(-1)
+    mine = torch.empty(everyone.numel() // dp, dtype=torch.float32, device=everyone.device)
+    dist.reduce_scatter_single(mine, everyone, group=mesh.get_group())
+    mine.mul_(scale / dp)
+    reduced, offset = {}, 0
+    for name, tensor in sharded:
+        r, per_row = _padded_rows(tensor)
+        rows = max(0, min(r, tensor.shape[0] - me * r))
+        local = mine[offset:offset + rows * per_row].view(rows, *tensor.shape[1:])
+        reduced[name] = DTensor.from_local(local, mesh, tensor.placements, run_check=False,
+                                           shape=tensor.shape, stride=tensor.stride())
+        offset += r * per_row
+    return reduced

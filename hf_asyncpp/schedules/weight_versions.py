@@ -20,8 +20,8 @@ Unsharded fp32 stages compute on the buffers themselves. When the stage is shard
 master and the buffers are DTensors holding 1/dp of the rows, parallel/fsdp.py) or computes in
 bf16, a buffer's compute copy is cast and gathered at its first forward (one all-gather per dtype,
 parallel/fsdp.gather_whole), kept while microbatches use it, dropped when the buffer is overwritten;
-its accumulated gradient is reduce-scattered in fp32 and averaged over dp on its way to the master
-(what FSDP2 does with reshard_after_forward=False).
+its accumulated gradient is reduce-scattered in fp32 and averaged over dp on its way to the master,
+bucketed like the gathers (what FSDP2 does with reshard_after_forward=False and an fp32 reduce_dtype).
 
 Persistent buffers that training changes (DeepSeek-V3's routing biases, updated with the weights:
 models/routing_bias.py) are versioned with the weights: each version buffer holds them beside the
@@ -39,10 +39,10 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
-from ..parallel.fsdp import gather_whole, keeps_fp32
+from ..parallel.fsdp import gather_whole, keeps_fp32, reduce_scatter_rows
 
 __all__ = ["MASTER", "VersionedStage"]
 
@@ -151,23 +151,27 @@ class VersionedStage(nn.Module):
 
     @torch.no_grad()
     def move_gradients_to_master(self, buffer: int, scale: float) -> None:
-        """master.grad = scale × the gradient accumulated on `buffer` (averaged over dp when sharded);
-        the buffer's gradient and its fp32 sums are cleared."""
+        """master.grad = scale × the gradient accumulated on `buffer` (averaged over dp when sharded:
+        bucketed fp32 reduce-scatters, parallel/fsdp.reduce_scatter_rows); the buffer's gradient and
+        its fp32 sums are cleared."""
         computed, sums = self.compute_copy(buffer), self._grad_sums[buffer]
-        for name, param in self.inner.named_parameters():
+        params = dict(self.inner.named_parameters())
+        accumulated: dict[str, torch.Tensor] = {}
+        for name, param in params.items():
             grad, residual = sums.pop(name, None), computed[name].grad
             computed[name].grad = None
             if residual is not None:  # fp32 compute tensors sum in .grad (bf16 ones only if a hook was bypassed)
                 grad = residual if grad is None else grad.add_(residual)
-            if grad is None or not param.requires_grad:
-                param.grad = None
-            elif isinstance(param, DTensor):
-                mesh = param.device_mesh
-                partial = DTensor.from_local(grad.float(), mesh, [Partial("sum")], run_check=False)
-                param.grad = partial.redistribute(mesh, param.placements).mul_(scale / mesh.size())
-            else:
-                param.grad = grad.to(param.dtype).mul_(scale)  # unsharded: the fp32 sum itself, no copy
+            param.grad = None
+            if grad is not None and param.requires_grad:
+                accumulated[name] = grad
         sums.clear()
+        sharded = {n: g for n, g in accumulated.items() if isinstance(params[n], DTensor)}
+        if sharded:
+            accumulated.update(reduce_scatter_rows(sharded, params, scale))
+        for name, grad in accumulated.items():
+            # unsharded: the fp32 sum itself, no copy
+            params[name].grad = grad if name in sharded else grad.to(params[name].dtype).mul_(scale)
 
     @torch.no_grad()
     def bind_master(self, buffer: int, copy: bool = True) -> None:

@@ -200,7 +200,7 @@ def _gathered_vs_full_tensor(rank, world_size):
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
 
     init_parallel(read_launch(), 1)
-    original = dist.all_gather_into_tensor
+    original = dist.all_gather_single
     calls = []
     try:
         mesh = init_device_mesh("cpu", (world_size,))
@@ -217,13 +217,13 @@ def _gathered_vs_full_tensor(rank, world_size):
             calls.append(args[1].dtype)
             return original(*args, **kwargs)
 
-        dist.all_gather_into_tensor = counting
+        dist.all_gather_single = counting
         dtype_of = lambda name, t: torch.float32 if name == "keep_fp32" else torch.bfloat16
         gathered = gather_whole(tensors, dtype_of)
         return dict(equal={n: bool(torch.equal(gathered[n], whole[n].to(dtype_of(n, whole[n])))) for n in whole},
                     dtypes={n: str(g.dtype) for n, g in gathered.items()}, collectives=sorted(map(str, calls)))
     finally:
-        dist.all_gather_into_tensor = original
+        dist.all_gather_single = original
         shutdown_parallel()
 
 
@@ -237,3 +237,63 @@ def test_a_versions_compute_copy_is_gathered_in_its_dtype_with_one_collective_pe
         assert all(report["equal"].values()), report["equal"]
         assert report["dtypes"]["keep_fp32"] == "torch.float32" and report["dtypes"]["uneven"] == "torch.bfloat16"
         assert report["collectives"] == ["torch.bfloat16", "torch.float32"]
+
+
+def _reduced_vs_summed(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hf_asyncpp.parallel import fsdp
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    init_parallel(read_launch(), 1)
+    original, original_cap = dist.reduce_scatter_single, fsdp.BUCKET_BYTES
+    calls = []
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        shapes = {"uneven": (5, 3), "one_row": (1, 4), "vector": (6,), "stack": (3, 2, 4), "scalar": ()}
+        like = {n: distribute_tensor(torch.zeros(s), mesh, [Replicate() if not s else Shard(0)])
+                for n, s in shapes.items()}
+        # each replica's whole gradient sums differ; the reference adds all of them up in plain torch
+        every_rank = [{n: torch.randn(s, generator=torch.Generator().manual_seed(10 * r + i))
+                       for i, (n, s) in enumerate(shapes.items())} for r in range(world_size)]
+        expected = {n: (sum(g[n] for g in every_rank) * (0.5 / world_size)) for n in shapes}
+
+        def counting(*args, **kwargs):
+            calls.append(args[1].numel())
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting
+        reports = {}
+        for cap in (original_cap, 40):  # every tensor in one bucket; then buckets of ≤ 10 fp32 values
+            fsdp.BUCKET_BYTES, calls[:] = cap, []
+            reduced = fsdp.reduce_scatter_rows({n: t.clone() for n, t in every_rank[rank].items()}, like, 0.5)
+            reports[cap] = dict(
+                equal={n: bool(torch.equal(reduced[n].full_tensor(), expected[n])) for n in shapes},
+                placed={n: reduced[n].placements == like[n].placements and reduced[n].shape == like[n].shape
+                        and reduced[n].to_local().shape == like[n].to_local().shape for n in shapes},
+                dtypes={str(t.dtype) for t in reduced.values()}, collectives=len(calls))
+        return reports
+    finally:
+        dist.reduce_scatter_single, fsdp.BUCKET_BYTES = original, original_cap
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_a_versions_gradients_are_averaged_over_dp_in_fp32_with_one_reduce_scatter_per_bucket():
+    """reduce_scatter_rows (a sharded version's gradients on their way to the master) equals the sum
+    of every replica's whole gradient, scaled and averaged, then cut into the parameter's row shards —
+    bit for bit, since with dp = 2 a sum of two values does not depend on its order and ÷2 is exact —
+    for uneven and empty row shards, 1-D to 3-D tensors and a replicated scalar (all-reduced). It
+    needs one reduce-scatter per bucket of about BUCKET_BYTES, not one per parameter."""
+    for report in run_ranks(2, _reduced_vs_summed):
+        for cap, row in report.items():
+            assert all(row["equal"].values()) and all(row["placed"].values()), (cap, row)
+            assert row["dtypes"] == {"torch.float32"}, row
+        whole_cap, small_cap = report.values()
+        assert whole_cap["collectives"] == 1
+        # 15, 4, 6 and 24 fp32 values with buckets of 40 bytes: [uneven], [one_row, vector], [stack]
+        assert small_cap["collectives"] == 3
