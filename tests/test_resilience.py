@@ -17,8 +17,10 @@ NaN — and with it that microbatch's gradient on every stage.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -348,3 +350,58 @@ def test_the_one_process_emulator_skips_an_update_as_the_pipeline_does():
     assert pipeline.keys() == emulated.keys()
     for name in pipeline:
         assert torch.allclose(torch.tensor(pipeline[name]), torch.tensor(emulated[name]), rtol=0, atol=TOL), name
+
+
+def _node(tmp_path, out, port: int, timeout_s: float):
+    """One "node" of a two-node job as training_scripts/slurm/moe_10b.sbatch starts it: a launcher for
+    its one rank, meeting the other node's at a c10d rendezvous (here on localhost)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes"]
+    return subprocess.Popen(_long_command(tmp_path, out, *launcher, timeout_s=timeout_s), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_node(launcher: subprocess.Popen) -> None:
+    """SIGKILL a node's launcher and its ranks (torchrun starts them in sessions of their own)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for process in [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+    launcher.wait()
+
+
+@pytest.mark.multirank
+def test_two_nodes_lose_one_and_the_requeued_job_resumes_from_its_latest_checkpoint_bitwise(uninterrupted):
+    """The cluster's way: the launchers of two nodes (one rank each), the second node killed whole
+    (launcher and rank) once a checkpoint exists; the surviving node's launcher ends by itself, non-zero,
+    with its rank (srun --kill-on-bad-exit would end it too); the requeued job starts both nodes again with the same
+    command, and `--resume_from_checkpoint latest` continues the run to the uninterrupted one's losses
+    and weights, bit for bit."""
+    from hf_asyncpp.checkpoint.checkpoints import list_checkpoints
+    from hf_asyncpp.parallel.mesh import free_port
+
+    tmp_path, reference = uninterrupted
+    out, timeout_s = tmp_path / "two-nodes", 20
+    first = _node(tmp_path, out, port := free_port(), timeout_s)
+    second = _node(tmp_path, out, port, timeout_s)
+    try:
+        _wait_for(lambda: list_checkpoints(out) and _logged_steps(out) >= 5, first)
+        survivors = psutil.Process(first.pid).children(recursive=True)
+        _kill_node(second)
+        lost = time.time()
+        output, _ = first.communicate(timeout=timeout_s + 120)
+        assert first.returncode != 0 and time.time() - lost < timeout_s + 120, output[-3000:]
+        # Its rank saw the lost peer, or its launcher lost the rendezvous the other node hosted first.
+        assert re.search("lost contact with the other ranks|connection to the C10d store has failed", output)
+        assert not psutil.wait_procs(survivors, timeout=30)[1], "a rank outlived its node's launcher"
+        assert not (out / "final").exists()
+        checkpoint = list_checkpoints(out)[-1]
+    finally:
+        for node in (first, second):
+            _kill_node(node)
+
+    requeued = [_node(tmp_path, out, port := free_port(), timeout_s), _node(tmp_path, out, port, timeout_s)]
+    outputs = [node.communicate(timeout=600)[0] for node in requeued]
+    assert [node.returncode for node in requeued] == [0, 0], [o[-3000:] for o in outputs]
+    assert any(f"resumed from {checkpoint}" in o for o in outputs), outputs
+    _same_run(out, reference)
