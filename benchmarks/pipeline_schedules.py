@@ -11,18 +11,22 @@ schedules, the final draining step, which is not measured.
 Measured per arm and rank:
   - step time and tokens/s (step time: the slower rank's mean);
   - idle fraction: 1 − (time inside stage compute and loss) / step time, and that busy time itself
-    beside 1F1B's at the same m (the same stage and microbatches: an asynchronous schedule's weight
-    stashing shows as busy time above 1.00);
+    beside 1F1B's at the same m;
   - the bubble-free limit: the same rank's forward + backward of the same m microbatches run
-    directly on its stage module, outside the pipeline (no communication, no waiting) — the step
-    time no schedule can beat; the slowest rank's limit is the pipeline's ceiling;
+    directly on its stage module and its optimizer step, outside the pipeline (no communication, no
+    waiting), while every rank runs its own at the same time (as in a pipeline without a bubble) —
+    the step time no schedule can beat; the slowest rank's limit is the pipeline's ceiling. The slow rank's busy time
+    over its limit's forward + backward shows what a schedule adds to compute (weight stashing, say):
+    1.00 is nothing;
   - peak resident memory of the rank's process (CPU; includes the ~0.5 GB of libraries).
 Theoretical idle (p − 1)/(m + p − 1) is printed for reference: stages are unequal (the last carries
-lm_head and the loss), so the measured limit, not the formula, is the ceiling.
+lm_head and the loss), so the measured limit, not the formula, is the ceiling. With --rounds R every
+arm runs R times, arms alternating (drift in the machine's load then reaches every arm alike), and
+each number is the median over rounds.
 
     python benchmarks/pipeline_schedules.py [--schedules gpipe,1f1b,pipedream-2bw,wpipe,pipedream]
         [--microbatches 2,4,8] [--steps 8] [--warmup 3] [--model tiny-moe] [--seq-len 128]
-        [--micro-batch-size 8] [--out benchmarks/results/pipeline_schedules.json]
+        [--micro-batch-size 8] [--rounds 1] [--out benchmarks/results/pipeline_schedules.json]
 """
 
 from __future__ import annotations
@@ -44,32 +48,53 @@ PP = 2
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pipeline_schedules.json"
 
 
-def _bubble_free_ms(engine, rows, repeats: int) -> float:
-    """Forward + backward of the step's microbatches on this rank's stages, no pipeline around them
-    (mean over `repeats`, the same statistic as the step time)."""
+def _fwd_bwd_s(engine, rows) -> tuple[float, float]:
+    """One forward + backward of the step's microbatches on this rank's stages, no pipeline around
+    them, and the optimizer step every schedule takes once per step (without clipping, whose norm
+    would need the other ranks): (forward + backward s, optimizer step s)."""
     import torch
 
     m = engine.config.n_microbatches
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for module in engine.modules:
-            for mb in rows.chunk(m):
-                if module.is_first:
-                    args = (mb,)
-                else:
-                    args = (torch.randn(*mb.shape, module.config.hidden_size, requires_grad=True),)
-                    if module.carries_router_stats:
-                        args += (torch.zeros(2 * module.num_experts + 1, requires_grad=True),)
-                out = module(*args)
-                outputs = out if isinstance(out, tuple) else (out,)
-                loss = engine.loss_fn(out, mb) if module.is_last else sum(o.float().sum() for o in outputs)
-                loss.backward()
-        times.append(time.perf_counter() - start)
-        for module in engine.modules:
-            module.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    for module in engine.modules:
+        for mb in rows.chunk(m):
+            if module.is_first:
+                args = (mb,)
+            else:
+                args = (torch.randn(*mb.shape, module.config.hidden_size, requires_grad=True),)
+                if module.carries_router_stats:
+                    args += (torch.zeros(2 * module.num_experts + 1, requires_grad=True),)
+            out = module(*args)
+            outputs = out if isinstance(out, tuple) else (out,)
+            loss = engine.loss_fn(out, mb) if module.is_last else sum(o.float().sum() for o in outputs)
+            loss.backward()
+    computed = time.perf_counter()
+    for updater in engine.updaters:
+        updater.optimizer.step()
+    stepped = time.perf_counter()
+    for updater in engine.updaters:
+        updater.optimizer.zero_grad(set_to_none=True)
     engine.loss_fn.records.clear()
-    return 1e3 * statistics.mean(times)
+    return computed - start, stepped - computed
+
+
+def _bubble_free_ms(engine, rows, repeats: int, group) -> tuple[float, float]:
+    """This rank's (forward + backward, optimizer step) of one step outside the pipeline in ms, means
+    over about `repeats` repetitions, measured while every rank runs its own at the same time: a
+    pipeline without a bubble keeps every rank computing all along, and on CPU cores that share caches
+    and memory a rank computes 3–10% slower while the others compute too (README), so a limit
+    measured alone would be one no schedule can reach. Every rank repeats for the same wall time
+    (`repeats` of the slowest rank's repetitions), so the slowest is never measured alone."""
+    import torch
+    import torch.distributed as dist
+
+    slowest = torch.tensor([sum(_fwd_bwd_s(engine, rows))])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    dist.barrier(group=group)
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < repeats * slowest.item():
+        times.append(_fwd_bwd_s(engine, rows))
+    return tuple(1e3 * statistics.mean(t[i] for t in times) for i in range(2))
 
 
 def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
@@ -100,8 +125,8 @@ def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
             if args.warmup <= step < args.warmup + args.steps:
                 samples.append((result.busy_s, result.step_time_s, result.tokens))
         engine.finish()
-        limit_ms = _bubble_free_ms(engine, rows[0], args.steps)
-        return dict(samples=samples, bubble_free_ms=limit_ms,
+        compute_ms, optimizer_ms = _bubble_free_ms(engine, rows[0], args.steps, layout.pp_group)
+        return dict(samples=samples, bubble_free_ms=compute_ms + optimizer_ms, compute_ms=compute_ms,
                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     finally:
         shutdown_parallel()
@@ -124,19 +149,38 @@ def _run_arm(args, schedule: str, m: int) -> dict:
         idle_fraction_per_rank=[statistics.mean(max(0.0, 1 - b / t) for b, t, _ in r["samples"]) for r in ranks],
         busy_ms_per_rank=[1e3 * statistics.mean(b for b, _, _ in r["samples"]) for r in ranks],
         bubble_free_ms_per_rank=[r["bubble_free_ms"] for r in ranks],
+        optimizer_ms_per_rank=[r["bubble_free_ms"] - r["compute_ms"] for r in ranks],
         bubble_free_ms=limit_ms,
         step_over_limit=1e3 * statistics.mean(step_s) / limit_ms,
+        # weight stashing or anything else a schedule adds to compute shows here (1.00: none)
+        slow_rank_busy_over_limit=max((r["bubble_free_ms"], 1e3 * statistics.mean(b for b, _, _ in r["samples"])
+                                       / r["compute_ms"]) for r in ranks)[1],
         peak_rss_mb_per_rank=[r["peak_rss_mb"] for r in ranks],
         theoretical_idle=theoretical_bubble(PP, m) if get_schedule_spec(schedule).synchronous else 0.0,
         raw_step_s=step_s,
     )
 
 
+def _median_of_rounds(rounds: list[dict]) -> dict:
+    """One arm over its rounds: each measured number is the median of the rounds' (per rank where it
+    is per rank); the rounds' own results are kept under `rounds`."""
+    merged = dict(rounds[0])
+    for key, value in rounds[0].items():
+        if key in ("schedule", "n_microbatches", "tokens_per_step", "theoretical_idle", "raw_step_s"):
+            continue
+        if isinstance(value, list):
+            merged[key] = [statistics.median(r[key][i] for r in rounds) for i in range(len(value))]
+        else:
+            merged[key] = statistics.median(r[key] for r in rounds)
+    merged["rounds"] = rounds
+    return merged
+
+
 def _print_table(results: list[dict]) -> None:
     base = {r["n_microbatches"]: r for r in results if r["schedule"] == "1f1b"}
     print("| schedule | m | step ms | tokens/s | vs 1f1b | bubble-free limit ms | step / limit | idle r0 | idle r1 "
-          "| busy ms r0 / r1 | busy vs 1f1b r0 / r1 | theor. idle | peak RSS MB r0 / r1 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| busy ms r0 / r1 | busy vs 1f1b r0 / r1 | slow rank busy / limit | theor. idle | peak RSS MB r0 / r1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     nan = dict(step_ms=float("nan"), busy_ms_per_rank=[float("nan")] * PP)
     for r in results:
         ref = base.get(r["n_microbatches"], nan)
@@ -147,7 +191,7 @@ def _print_table(results: list[dict]) -> None:
         rss0, rss1 = r["peak_rss_mb_per_rank"]
         print(f"| {r['schedule']} | {r['n_microbatches']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
               f"{speedup:.2f}× | {r['bubble_free_ms']:.0f} | {r['step_over_limit']:.3f} | {idle0:.3f} | {idle1:.3f} | "
-              f"{busy0:.0f} / {busy1:.0f} | {ratio0:.3f} / {ratio1:.3f} | "
+              f"{busy0:.0f} / {busy1:.0f} | {ratio0:.3f} / {ratio1:.3f} | {r['slow_rank_busy_over_limit']:.3f} | "
               f"{r['theoretical_idle']:.3f} | {rss0:.0f} / {rss1:.0f} |")
 
 
@@ -160,10 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="tiny-moe", help="a preset, a config.json or a model directory")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every arm this many times, arms alternating; report medians over rounds")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
-    if args.steps < 2 or args.warmup < 1:
-        parser.error("--steps must be at least 2 and --warmup at least 1")
+    if args.steps < 2 or args.warmup < 1 or args.rounds < 1:
+        parser.error("--steps must be at least 2, --warmup and --rounds at least 1")
     from hf_asyncpp.schedules import get_schedule_spec
 
     arms = [(s.strip(), int(m)) for s in args.schedules.split(",") for m in args.microbatches.split(",")]
@@ -174,12 +220,13 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:
             parser.error(f"{schedule}, m={m}: {err}")
     start = time.perf_counter()
-    results = [_run_arm(args, schedule, m) for schedule, m in arms]
+    runs = [[_run_arm(args, schedule, m) for schedule, m in arms] for _ in range(args.rounds)]
+    results = [_median_of_rounds([round_[i] for round_ in runs]) for i in range(len(arms))]
     import torch
     import transformers
 
     meta = dict(model=args.model, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, pp_size=PP, dp_size=1, backend="gloo",
-                threads_per_rank=1, optimizer="adamw", warmup_steps=args.warmup, measured_steps=args.steps,
+                threads_per_rank=1, optimizer="adamw", warmup_steps=args.warmup, measured_steps=args.steps, rounds=args.rounds,
                 torch=torch.__version__, transformers=transformers.__version__, cpu_count=os.cpu_count(),
                 machine=platform.machine(), python=platform.python_version(),
                 date=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -187,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
     print(f"\n{args.model}, pp={PP}, seq_len={args.seq_len}, micro_batch_size={args.micro_batch_size}, 1 thread/rank, "
-          f"mean of {args.steps} steps after {args.warmup} warm-up steps\n")
+          f"mean of {args.steps} steps after {args.warmup} warm-up steps, median of {args.rounds} round(s)\n")
     _print_table(results)
     print(f"\nwrote {out}; total {time.perf_counter() - start:.0f}s")
 
