@@ -136,17 +136,26 @@ class RankPool:
         results: dict[int, object] = {}
         deadline = time.monotonic() + timeout_s
         while len(results) < world_size:
-            try:
-                rank, status, value, reusable = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+            try:  # short waits: a rank that dies without a result (a crash, a kill) ends the run at once
+                rank, status, value, reusable = self._results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue_module.Empty:
-                stuck = [r for r in range(world_size) if r not in results and self._procs[r].is_alive()]
-                for r in stuck:  # each prints every thread's Python stack to stderr
-                    os.kill(self._procs[r].pid, signal.SIGUSR1)
-                time.sleep(3)
-                dead = [f"{r} (exit code {self._procs[r].exitcode})" for r in range(world_size)
-                        if r not in results and not self._procs[r].is_alive()]
-                raise AssertionError(f"ranks {stuck} did not finish within {timeout_s:.0f} s; their stacks are on "
-                                     "stderr" + (f"; ranks {', '.join(dead)} died" if dead else "")) from None
+                missing = [r for r in range(world_size) if r not in results]
+                if any(not self._procs[r].is_alive() for r in missing):
+                    try:  # a result its rank put just before exiting may still be on its way
+                        rank, status, value, reusable = self._results.get(timeout=2)
+                    except queue_module.Empty:
+                        dead = [f"{r} (exit code {self._procs[r].exitcode})" for r in missing
+                                if not self._procs[r].is_alive()]
+                        raise AssertionError(f"ranks {', '.join(dead)} died without a result; their output is "
+                                             "on stderr") from None
+                elif time.monotonic() < deadline:
+                    continue
+                else:
+                    for r in missing:  # each prints every thread's Python stack to stderr
+                        os.kill(self._procs[r].pid, signal.SIGUSR1)
+                    time.sleep(3)
+                    raise AssertionError(f"ranks {missing} did not finish within {timeout_s:.0f} s; their stacks "
+                                         "are on stderr") from None
             if status != "ok":
                 raise AssertionError(f"rank {rank}:\n{value}")
             results[rank] = value

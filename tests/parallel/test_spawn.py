@@ -62,6 +62,15 @@ def _fail_on_rank_one(rank, world_size):
     time.sleep(60)  # as a rank waiting in a collective for the failed one would
 
 
+def _die_on_rank_one(rank, world_size):
+    import os
+    import time
+
+    if rank == 1:
+        os._exit(3)  # as a crash or a kill would: no result, no traceback
+    time.sleep(60)
+
+
 def _leave_a_group(rank, world_size):
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel
@@ -125,6 +134,15 @@ def test_a_failed_run_names_its_rank_and_retires_every_process(pool):
     assert pool.pids() == []  # rank 0, still sleeping, was killed with the rest
     assert pool.run(2, _all_reduce_rank) == [1.0, 1.0]
     assert set(pool.pids()).isdisjoint(before)
+
+
+def test_a_rank_that_dies_without_a_result_ends_the_run_at_once(pool):
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks 1 \(exit code 3\) died without a result"):
+        pool.run(2, _die_on_rank_one)
+    assert time.monotonic() - started < 30  # not the run's 600 s timeout
+    assert pool.pids() == []
+    assert pool.run(2, _all_reduce_rank) == [1.0, 1.0]
 
 
 def test_a_rank_left_holding_a_process_group_is_replaced(pool):
