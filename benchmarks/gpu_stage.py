@@ -54,15 +54,15 @@ def _run_arm(args, experts: str, checkpointing: str, compiled: bool) -> dict:
     import torch
     from moe_2b_stage import middle_stage
 
+    from hf_asyncpp.models.compile import compile_layers
     from hf_asyncpp.models.recompute import apply_activation_checkpointing
 
     device = torch.device(args.device)
     config, stage = middle_stage(args.layers, device, experts)
     stage.to(torch.bfloat16)
+    if compiled:  # what `compile_layers: true` does, before the checkpointing that wraps it
+        compile_layers(stage, checkpointing)
     apply_activation_checkpointing(stage, checkpointing)
-    if compiled:  # kernel speed of compiled layers; the library has no compile switch yet (see README)
-        for layer in stage.model.layers.values():
-            layer.compile()
     hidden = torch.randn(args.micro_batch_size, args.seq_len, config.hidden_size, device=device,
                          dtype=torch.bfloat16, requires_grad=True)
 

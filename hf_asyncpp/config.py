@@ -57,6 +57,7 @@ class TrainConfig:
     fsdp: bool = True  # shard parameters, gradients, optimizer state, weight versions, EF over dp
     mixed_precision: str = "auto"  # forward/backward dtype: auto (bf16 on GPUs) / bf16 / no
     activation_checkpointing: str = "none"  # recompute activations in the backward: none / full (layers) / selective (MLP/MoE)
+    compile_layers: bool = False  # torch.compile each decoder layer (models/compile.py)
     # optimization
     optimizer: str = "adamw"
     learning_rate: float = 1e-3

@@ -27,6 +27,7 @@ from .metrics import ComputeTimer, ReducedStepStats, StepResult, idle_fraction
 from .models import build_model, build_stage_modules, build_stages, plan_stages
 from .models.split import release_foreign_modules
 from .models.construct import has_safetensors
+from .models.compile import compile_layers
 from .models.recompute import apply_activation_checkpointing
 from .models.pipeline_loss import PipelineLoss
 from .optim import optimizer_from_config
@@ -94,6 +95,8 @@ class PipelineEngine:
             if given:  # the caller's processes may have drawn different weights (no seed set)
                 broadcast_from_first_replica(self.modules, layout)
         for module in self.modules:
+            if config.compile_layers:  # first: the checkpoint wraps the compiled forward
+                compile_layers(module, config.activation_checkpointing)
             apply_activation_checkpointing(module, config.activation_checkpointing)
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids

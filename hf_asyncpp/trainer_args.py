@@ -11,6 +11,7 @@ fields mean for the pipeline:
   (or num_train_epochs), seed, logging/eval/save steps, save_total_limit and hub_model_id keep their
   meaning; `momentum` (default: adam_beta1) is the optimizer's first-moment / momentum coefficient;
 - bf16 turns on bf16 compute with fp32 master weights; fp16 is refused;
+- torch_compile compiles each decoder layer (`compile_layers`), not the whole model;
 - report_to defaults to tensorboard.
 """
 
@@ -90,6 +91,8 @@ class AsyncPPTrainingArguments(TrainingArguments):
             values["mixed_precision"] = "bf16"
         if self.activation_checkpointing or self.gradient_checkpointing:  # HF's switch (and its old name)
             values["activation_checkpointing"] = "full"  # every decoder layer; "selective" via pipeline_config
+        if self.torch_compile:  # compiled per decoder layer (models/compile.py), not as a whole model
+            values["compile_layers"] = True
         if seq_len or self.seq_len:
             values["seq_len"] = seq_len or self.seq_len
         extra = dict(self.pipeline_config or {})

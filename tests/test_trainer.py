@@ -247,6 +247,7 @@ def test_training_arguments_map_onto_the_pipeline_config(tmp_path):
     assert not args.place_model_on_device  # the pipeline places only this rank's stages
     assert _args(tmp_path / "out", activation_checkpointing=True).pipeline.activation_checkpointing == "full"
     assert _args(tmp_path / "out", pipeline_config={"activation_checkpointing": "selective"}).pipeline.activation_checkpointing == "selective"
+    assert _args(tmp_path / "out", torch_compile=True).pipeline.compile_layers and not args.pipeline.compile_layers
 
 
 @pytest.mark.multirank

@@ -79,6 +79,7 @@ class PipelineStageModule(nn.Module):
             else None
         )
 
+    @torch._dynamo.disable  # eager under compile_layers: a list growing layer by layer would recompile each layer
     def _record_router_logits(self, module, args, output):
         if not is_recomputing():  # an activation-checkpointing recomputation is no second forward
             self._router_logits.append(output[0])

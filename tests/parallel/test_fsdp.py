@@ -26,9 +26,9 @@ LR = {"sgd": 0.5, "adamw": 3e-3, "muon": 2e-2, "soap": 3e-3, "lion": 3e-4}
 TOLERANCE = {"sgd": 1e-6, "adamw": 1e-6, "lion": 1e-6, "soap": 1e-6, "muon": STEPS * LR["muon"] * 2 ** -8}
 
 
-def _train(layout, preset, schedule, optimizer, fsdp, ef=False, mixed_precision="no"):
+def _train(layout, preset, schedule, optimizer, fsdp, ef=False, mixed_precision="no", **config_keys):
     """Final whole parameters, per-step losses (then an evaluation loss for synchronous schedules)
-    and the engine after STEPS steps."""
+    and the engine after STEPS steps (`config_keys`: any other TrainConfig keys)."""
     import torch
 
     from hf_asyncpp.config import TrainConfig
@@ -38,7 +38,7 @@ def _train(layout, preset, schedule, optimizer, fsdp, ef=False, mixed_precision=
     config = TrainConfig(model_config=preset, pp_size=layout.pp_size, schedule=schedule, optimizer=optimizer,
                          learning_rate=LR[optimizer], momentum=0.9, max_grad_norm=1.0, lr_scheduler_type="constant",
                          seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS, fsdp=fsdp,
-                         ef=ef, weight_decay=0.01, mixed_precision=mixed_precision)
+                         ef=ef, weight_decay=0.01, mixed_precision=mixed_precision, **config_keys)
     gen = torch.Generator().manual_seed(9)
     rows = [torch.randint(0, model_config.vocab_size, (layout.dp_size * MBS * M, SEQ), generator=gen)
             for _ in range(STEPS)]
