@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "main_process_first", "step_record"]
+__all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "load_main_process_first", "step_record"]
 
 
 @dataclass
@@ -83,16 +83,37 @@ def step_record(result, tokens_seen: int, schedule: str) -> dict:
     }
 
 
-@contextlib.contextmanager
-def main_process_first(layout):
-    """Rank 0 fills the datasets cache first; the others then read it instead of racing to write it."""
+def load_main_process_first(layout, load):
+    """`load()` on rank 0 first, then on the others, which read the datasets cache rank 0 filled
+    instead of racing to write it. A failure on any rank (a bad file, rows that do not fit) ends
+    every rank with the same RunFailure, before training: the others would otherwise wait for the
+    failed rank and report a lost peer."""
     import torch.distributed as dist
 
-    if not layout.is_main:
-        dist.barrier(group=layout.io_group)
-    yield
+    from .data.errors import DataError
+    from .resilience import RunFailure
+
+    outcome: dict = {}
+
+    def attempt() -> None:
+        try:
+            outcome["value"] = load()
+        except Exception as err:  # noqa: BLE001 — whatever it is, every rank must learn of it
+            outcome["error"] = str(err) if isinstance(err, DataError) else (
+                f"loading the data failed on rank {layout.rank}: {type(err).__name__}: {err}")
+
     if layout.is_main:
-        dist.barrier(group=layout.io_group)
+        attempt()
+    first = [outcome.get("error")]
+    dist.broadcast_object_list(first, group=layout.io_group, group_src=0)
+    if first[0] is None and not layout.is_main:
+        attempt()
+    errors = [None] * layout.world_size
+    dist.all_gather_object(errors, outcome.get("error"), group=layout.io_group)
+    message = first[0] or next((e for e in errors if e), None)
+    if message:
+        raise RunFailure(message)
+    return outcome["value"]
 
 
 class TrainingLoop:
@@ -170,12 +191,23 @@ class TrainingLoop:
             return contextlib.nullcontext()
         return self.engine.termination.installed()
 
+    def _rows(self, step: int):
+        """Step `step`'s rows on this rank. A streamed dataset is checked as it is read: a bad row found
+        mid-run is said by the ranks that read it (the others stop as for a lost peer)."""
+        from .data.errors import DataError
+        from .resilience import LocalFailure
+
+        try:
+            return self.data.sampler.rows(step)
+        except DataError as err:
+            raise LocalFailure(str(err)) from err
+
     def _steps(self, step: int, progress) -> None:
-        engine, sampler = self.engine, self.data.sampler
+        engine = self.engine
         while step < self.end_step:
             self.hooks.on_step_begin(step)
-            next_rows = sampler.rows(step + 1) if engine.forwards_ahead and step + 1 < self.end_step else None
-            result = engine.train_step(sampler.rows(step), next_rows)
+            next_rows = self._rows(step + 1) if engine.forwards_ahead and step + 1 < self.end_step else None
+            result = engine.train_step(self._rows(step), next_rows)
             step = result.step
             self.tokens_seen += result.tokens
             progress.update(1)

@@ -59,7 +59,7 @@ def train(config, model_config, launch) -> dict:
     """Run training on this rank; returns the last logged record."""
     from .data import load_tokenizer, training_data
     from .engine import PipelineEngine
-    from .loop import TrainingLoop, main_process_first
+    from .loop import TrainingLoop, load_main_process_first
     from .parallel.mesh import init_parallel, shutdown_parallel
     from .resilience import LocalFailure, PeerLostError, RunFailure, lost_peers_reported
 
@@ -69,8 +69,8 @@ def train(config, model_config, launch) -> dict:
     try:
         with lost_peers_reported(layout.rank, config.comm_timeout_s):
             tokenizer = load_tokenizer(config.tokenizer)
-            with main_process_first(layout):
-                data = training_data(config, tokenizer, layout.dp_rank, layout.dp_size)
+            data = load_main_process_first(layout, lambda: training_data(
+                config, tokenizer, layout.dp_rank, layout.dp_size, model_config.vocab_size))
             engine = PipelineEngine(config, model_config, layout)
             loop = TrainingLoop(config, model_config, layout, engine, data, tokenizer)
             if config.resume_from_checkpoint:

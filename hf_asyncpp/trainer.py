@@ -197,14 +197,11 @@ class AsyncPPTrainer(Trainer):
         launch = read_launch()
         _, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, config.pp_size)
         try:
-            data = TrainingData.from_datasets(train_dataset, eval_dataset, tokenizer, config, dp_rank, dp_size)
+            data = TrainingData.from_datasets(train_dataset, eval_dataset, tokenizer, config, dp_rank, dp_size,
+                                              model.config.vocab_size)
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(str(err)) from None
         blocks = getattr(data.sampler, "blocks", None)  # None for a streamed train set
-        for name, rows in (("train_dataset", blocks), ("eval_dataset", data.held_out)):
-            if rows is not None and rows.numel() and int(rows.max()) >= model.config.vocab_size:
-                raise ConfigError(f"{name} holds token id {int(rows.max())}, beyond the model's vocab_size "
-                                  f"{model.config.vocab_size}: the tokenizer does not belong to this model")
         self.steps_per_epoch = blocks.shape[0] / (config.rows_per_step * dp_size) if blocks is not None else math.inf
         if args.max_steps <= 0:
             if blocks is None:

@@ -47,10 +47,10 @@ def slow_data(seconds: float) -> None:
 
     original = data.training_data
 
-    def slow(config, tokenizer, dp_rank, dp_size):
+    def slow(*args, **kwargs):
         if os.environ.get("RANK") == "0":
             time.sleep(seconds)
-        return original(config, tokenizer, dp_rank, dp_size)
+        return original(*args, **kwargs)
 
     data.training_data = slow
 

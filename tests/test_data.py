@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
 import torch
 
 from hf_asyncpp.config import TrainConfig
+from hf_asyncpp.data.errors import DataError
 from hf_asyncpp.data import (
     BlockPacker,
     MinibatchSampler,
@@ -38,7 +40,7 @@ def test_rows_with_input_ids_are_used_as_given_in_file_order(tmp_path):
 
 def test_input_ids_of_the_wrong_length_are_refused(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2, 3]}] * 4)
-    with pytest.raises(ValueError, match="expected \\(n, 8\\)"):
+    with pytest.raises(ValueError, match="row 0 holds 3 input_ids, but .* seq_len is 8: set seq_len 3"):
         build_token_blocks(path, tokenizer=None, seq_len=8)
 
 
@@ -186,8 +188,8 @@ def test_a_loop_that_reads_one_step_ahead_packs_every_streamed_block_once(tmp_pa
     tokenizer, packed = load_tokenizer("builtin"), []
 
     class CountingPacker(BlockPacker):
-        def blocks(self, dataset):
-            for block in super().blocks(dataset):
+        def blocks(self, dataset, name="dataset"):
+            for block in super().blocks(dataset, name):
                 packed.append(block)
                 yield block
 
@@ -247,3 +249,76 @@ def test_an_eval_dataset_is_held_out_whole_and_never_trained_on(tmp_path):
         assert torch.equal(data.held_out, build_token_blocks(held, tokenizer, 8))
         trained = build_token_blocks(dataset, tokenizer, 8)
         assert _steps(data.sampler, range(2)) == [trained[:4].tolist(), trained[4:8].tolist()]
+
+
+# Bad data is refused like a bad config: one `error:` line naming the file, the place and the fix.
+
+SEQ_BAD = 16
+
+
+def _bad_data(tmp_path, case: str) -> tuple[str, str]:
+    """(a dataset path of kind `case`, what its error must say)."""
+    rows = [list(range(i, i + SEQ_BAD)) for i in range(64)]
+    lines = "".join(json.dumps({"input_ids": r}) + "\n" for r in rows)
+    path = tmp_path / f"{case}.jsonl"
+    if case == "empty":
+        path.write_text("")
+        return str(path), f"file {path} is empty"
+    if case == "cut":  # the last line lost its end, as a write cut short leaves it
+        path.write_text(lines[:-20])
+        return str(path), f"{path}: line 64 \\(byte {len(lines) - len(lines.splitlines()[-1]) - 1}\\) is not valid JSON"
+    if case == "short":
+        path.write_text("".join(json.dumps({"input_ids": r[:10]}) + "\n" for r in rows))
+        return str(path), "row 0 holds 10 input_ids, but .* seq_len is 16: set seq_len 10"
+    if case == "vocabulary":
+        rows[5][3] = 9000
+        path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+        return str(path), "block 5 holds token id 9000, outside the model's vocabulary of 8192 ids"
+    path = tmp_path / "binary.txt"
+    path.write_bytes(bytes(range(128)) + bytes(range(128, 256)) * 16)
+    return str(path), f"{path}: byte 128 is not UTF-8 text"
+
+
+BAD_DATA = ["empty", "cut", "short", "vocabulary", "binary"]
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_is_refused_with_the_file_the_place_and_the_fix(tmp_path, case):
+    dataset, expected = _bad_data(tmp_path, case)
+    config = _config(dataset=dataset, seq_len=SEQ_BAD)
+    with pytest.raises(DataError, match=expected):
+        training_data(config, load_tokenizer(config.tokenizer), 0, 1, vocab_size=8192)
+
+
+def test_a_streamed_token_beyond_the_vocabulary_is_refused_when_its_step_is_read(tmp_path):
+    dataset, _ = _bad_data(tmp_path, "vocabulary")
+    config = _config(dataset=dataset, seq_len=SEQ_BAD, streaming=True)
+    sampler = training_data(config, load_tokenizer(config.tokenizer), 0, 1, vocab_size=8192).sampler
+    with pytest.raises(DataError, match="block 5 holds token id 9000"):
+        sampler.rows(5 // config.rows_per_step)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_under_a_two_rank_launch_bad_data_ends_every_rank_with_one_error_and_writes_nothing(tmp_path, case):
+    """Rank 0 reads the data first; a failure there (or on any rank) ends every rank at the same
+    point with the same message — not one traceback and a "lost contact" on the other rank."""
+    import subprocess
+    import sys
+
+    from tests.test_run import _env
+
+    dataset, expected = _bad_data(tmp_path, case)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "training_scripts/train.py", "--model_config", "tiny-moe", "--dataset", dataset,
+                           "--seq_len", str(SEQ_BAD), "--micro_batch_size", "2", "--n_microbatches", "2",
+                           "--pp_size", "2", "--max_steps", "2", "--threads_per_rank", "1", "--report_to", "none",
+                           "--output_dir", str(out)], capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(expected, errors[0]), done.stderr[-3000:]
+    ranks_said = done.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]  # not torchrun's report
+    assert "Traceback" not in ranks_said and "lost contact" not in ranks_said, ranks_said[-3000:]
+    assert "exitcode  : 1" in done.stderr
+    assert not out.exists()

@@ -203,7 +203,7 @@ def _bad_trainers(tmp_path):
                  processing_class=tokenizer), "the tokenizer has 8192 tokens but the model's vocab_size is 1000"),
         "token ids beyond the vocabulary": (
             dict(model=_model(vocab_size=1000), args=_args(out), train_dataset=_dataset(_rows(high=5000))),
-            "beyond the model's vocab_size 1000"),
+            "outside the model's vocabulary of 1000 ids"),
         "rows longer than the model's positions": (
             dict(model=_model(max_position_embeddings=8), args=_args(out), train_dataset=_dataset(_rows())),
             "seq_len 16 exceeds the model's max_position_embeddings"),

@@ -12,7 +12,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["BlockPacker", "build_token_blocks"]
+from .errors import DataError
+
+__all__ = ["BlockPacker", "build_token_blocks", "check_vocabulary"]
 
 
 class BlockPacker:
@@ -21,15 +23,18 @@ class BlockPacker:
     def __init__(self, tokenizer, seq_len: int, text_column: str = "text", batch_size: int = 1000):
         self.tokenizer, self.seq_len, self.text_column, self.batch_size = tokenizer, seq_len, text_column, batch_size
 
-    def blocks(self, dataset) -> Iterator[list[int]]:
+    def blocks(self, dataset, name: str = "dataset") -> Iterator[list[int]]:
         """The dataset's blocks in row order, each a list of seq_len token ids."""
         pending: list[int] = []  # tokenized text not yet cut into a block
+        row = 0  # rows of the dataset seen so far
         for batch in dataset.iter(batch_size=self.batch_size):
             if "input_ids" in batch:
-                yield from self._given_rows(batch["input_ids"])
+                yield from self._given_rows(batch["input_ids"], row, name)
+                row += len(batch["input_ids"])
                 continue
             if self.text_column not in batch:
-                raise ValueError(f"dataset has no '{self.text_column}' column (columns: {', '.join(batch)})")
+                raise DataError(f"{name} has no '{self.text_column}' column (columns: {', '.join(batch)}); "
+                                "set text_column, or give rows of input_ids")
             encoded = self.tokenizer(list(batch[self.text_column]), add_special_tokens=False, verbose=False)
             for ids in encoded["input_ids"]:
                 pending.extend(ids)
@@ -39,22 +44,24 @@ class BlockPacker:
                 yield pending[b * self.seq_len:(b + 1) * self.seq_len]
             del pending[:n_full * self.seq_len]
 
-    def _given_rows(self, rows) -> Iterator[list[int]]:
-        for ids in rows:
+    def _given_rows(self, rows, first_row: int, name: str) -> Iterator[list[int]]:
+        for number, ids in enumerate(rows, start=first_row):
             ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
             if len(ids) != self.seq_len:
-                raise ValueError(f"dataset rows hold input_ids of length {len(ids)}, expected (n, {self.seq_len})")
+                raise DataError(f"{name}: row {number} holds {len(ids)} input_ids, but rows of input_ids are used as "
+                                f"given and seq_len is {self.seq_len}: set seq_len {len(ids)}, or give the rows as "
+                                "text to be packed")
             yield ids
 
     def tensor(self, dataset, name: str = "dataset") -> torch.Tensor:
         """All blocks of a finite dataset (or a (rows, seq_len) tensor, checked) as an int64 tensor."""
         if isinstance(dataset, torch.Tensor):
             if dataset.ndim != 2 or dataset.shape[1] != self.seq_len:
-                raise ValueError(f"{name} is a tensor of shape {tuple(dataset.shape)}, expected (n, {self.seq_len})")
+                raise DataError(f"{name} is a tensor of shape {tuple(dataset.shape)}, expected (n, {self.seq_len})")
             return dataset.long()
-        blocks = list(self.blocks(dataset))
+        blocks = list(self.blocks(dataset, name))
         if not blocks:
-            raise ValueError(f"{name} yields no block of {self.seq_len} tokens")
+            raise DataError(f"{name} yields no block of {self.seq_len} tokens")
         return torch.tensor(blocks, dtype=torch.long)
 
 
@@ -63,3 +70,16 @@ def build_token_blocks(dataset: str, tokenizer, seq_len: int, text_column: str =
     from .sources import load_source
 
     return BlockPacker(tokenizer, seq_len, text_column).tensor(load_source(dataset), f"dataset '{dataset}'")
+
+
+def check_vocabulary(blocks: torch.Tensor, vocab_size: int | None, name: str, first_row: int = 0) -> None:
+    """Refuse token ids outside [0, vocab_size): the embedding would index out of range mid-step."""
+    if vocab_size is None or blocks.numel() == 0:
+        return
+    bad = (blocks >= vocab_size) | (blocks < 0)
+    if bad.any():
+        row = int(bad.any(dim=1).nonzero()[0])
+        token = int(blocks[row][bad[row]][0])
+        raise DataError(f"{name}: block {first_row + row} holds token id {token}, outside the model's vocabulary "
+                        f"of {vocab_size} ids: the data was tokenized for another model; tokenize it with this run's "
+                        "tokenizer, or use a model_config whose vocab_size covers it")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..evaluation import split_held_out
-from .packing import BlockPacker
+from .packing import BlockPacker, check_vocabulary
 from .samplers import MinibatchSampler, StreamingSampler
 from .sources import load_source
 
@@ -28,23 +28,26 @@ class TrainingData:
     held_out: torch.Tensor | None  # (n, seq_len) validation blocks, or None
 
     @classmethod
-    def from_datasets(cls, train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size: int) -> TrainingData:
+    def from_datasets(cls, train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size: int,
+                      vocab_size: int | None = None) -> TrainingData:
         """Datasets in memory: `datasets.Dataset`, `datasets.IterableDataset` (streamed) or a (rows, seq_len)
-        tensor, each holding `input_ids` rows of seq_len tokens or a `config.text_column` to pack."""
-        return _build(train_dataset, eval_dataset, tokenizer, config, dp_rank, dp_size)
+        tensor, each holding `input_ids` rows of seq_len tokens or a `config.text_column` to pack. Token
+        ids must lie below `vocab_size` (checked when given)."""
+        return _build(train_dataset, eval_dataset, tokenizer, config, dp_rank, dp_size, vocab_size)
 
 
-def training_data(config, tokenizer, dp_rank: int, dp_size: int) -> TrainingData:
-    """The run's data as the config names it (files, "shakespeare" or a Hub id)."""
+def training_data(config, tokenizer, dp_rank: int, dp_size: int, vocab_size: int | None = None) -> TrainingData:
+    """The run's data as the config names it (files, "shakespeare" or a Hub id); token ids must lie
+    below `vocab_size` (checked when given)."""
     train = load_source(config.dataset, config.dataset_config_name, config.dataset_split, streaming=config.streaming)
     eval_rows = None
     if config.eval_dataset is not None:
         eval_rows = load_source(config.eval_dataset, config.dataset_config_name, EVAL_DATASET_HUB_SPLIT)
-    return _build(train, eval_rows, tokenizer, config, dp_rank, dp_size,
+    return _build(train, eval_rows, tokenizer, config, dp_rank, dp_size, vocab_size,
                   f"dataset '{config.dataset}'", f"eval_dataset '{config.eval_dataset}'")
 
 
-def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size: int,
+def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size: int, vocab_size: int | None,
            train_name: str = "train_dataset", eval_name: str = "eval_dataset") -> TrainingData:
     from datasets import IterableDataset
 
@@ -52,14 +55,17 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
     if eval_dataset is not None and config.eval_fraction > 0:
         raise ValueError("an eval dataset replaces eval_fraction: set eval_fraction to 0 or drop the eval dataset")
     held_out = None if eval_dataset is None else packer.tensor(eval_dataset, eval_name)
+    if held_out is not None:
+        check_vocabulary(held_out, vocab_size, eval_name)
     if isinstance(train_dataset, IterableDataset):
         if config.eval_fraction > 0:
             raise ValueError("eval_fraction cannot split a streamed dataset (its length is unknown); "
                              "give an eval dataset instead")
         sampler = StreamingSampler(train_dataset, packer, config.rows_per_step, dp_rank, dp_size,
-                                   config.shuffle, config.seed)
+                                   config.shuffle, config.seed, vocab_size=vocab_size, name=train_name)
         return TrainingData(sampler, held_out)
     blocks = packer.tensor(train_dataset, train_name)
+    check_vocabulary(blocks, vocab_size, train_name)
     if eval_dataset is None:
         blocks, held_out = split_held_out(blocks, config.eval_fraction)
     sampler = MinibatchSampler(blocks, config.rows_per_step, dp_rank, dp_size, config.shuffle, config.seed)

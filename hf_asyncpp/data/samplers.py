@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from .errors import DataError
+from .packing import check_vocabulary
+
 __all__ = ["MinibatchSampler", "StreamingSampler"]
 
 
@@ -26,7 +29,7 @@ class MinibatchSampler:
 
     def __init__(self, blocks: torch.Tensor, rows_per_step: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int):
         if blocks.shape[0] < rows_per_step * dp_size:
-            raise ValueError(
+            raise DataError(
                 f"the dataset has {blocks.shape[0]} blocks, fewer than one step needs ({rows_per_step * dp_size})"
             )
         self.blocks, self.rows_per_step = blocks, rows_per_step
@@ -67,13 +70,14 @@ class StreamingSampler:
     RECENT_STEPS = 4  # steps kept for repeated requests
 
     def __init__(self, dataset, packer, rows_per_step: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int,
-                 shuffle_buffer_size: int = 10_000):
+                 shuffle_buffer_size: int = 10_000, vocab_size: int | None = None, name: str = "dataset"):
         from datasets.distributed import split_dataset_by_node
 
         if shuffle:  # before the split: every rank draws the same shard order, so documents stay disjoint
             dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
         self.stream = split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_size)
         self.packer, self.rows_per_step, self.dp_rank, self.shuffle = packer, rows_per_step, dp_rank, shuffle
+        self.vocab_size, self.name = vocab_size, name  # token ids are checked as a step's rows are read
         self._epoch_sizes: dict[int, int] = {}  # blocks per epoch, learnt as epochs end
         self._recent: dict[int, torch.Tensor] = {}  # step → its rows, the newest RECENT_STEPS steps read
         self._start_epoch(0, first_block=0)
@@ -82,7 +86,7 @@ class StreamingSampler:
         if self.shuffle:  # a nonzero epoch reorders shards even in an unshuffled stream: keep that one at 0
             self.stream.set_epoch(epoch)
         self._epoch, self._epoch_first_block, self._position = epoch, first_block, first_block
-        self._blocks = self.packer.blocks(self.stream)
+        self._blocks = self.packer.blocks(self.stream, self.name)
 
     def _rewind(self, block: int) -> None:
         """Restart at the latest epoch known to begin at or before `block`."""
@@ -100,7 +104,7 @@ class StreamingSampler:
                 return block
             size = self._position - self._epoch_first_block
             if size < self.rows_per_step:  # also stops an empty stream from cycling forever
-                raise ValueError(f"dp rank {self.dp_rank}'s share of the streamed dataset has {size} blocks, "
+                raise DataError(f"dp rank {self.dp_rank}'s share of the streamed dataset has {size} blocks, "
                                  f"fewer than one step needs ({self.rows_per_step})")
             self._epoch_sizes[self._epoch] = size
             self._start_epoch(self._epoch + 1, self._position)
@@ -121,5 +125,7 @@ class StreamingSampler:
     def _remember(self, step: int) -> None:
         """Read step `step`'s rows (the stream is at its first block) into the recent steps."""
         self._recent[step] = torch.tensor([self._next_block() for _ in range(self.rows_per_step)], dtype=torch.long)
+        check_vocabulary(self._recent[step], self.vocab_size, f"{self.name} (streamed, dp rank {self.dp_rank})",
+                         first_row=step * self.rows_per_step)
         if len(self._recent) > self.RECENT_STEPS:
             del self._recent[next(iter(self._recent))]  # the oldest read

@@ -12,6 +12,8 @@ import os
 import re
 from pathlib import Path
 
+from .errors import check_not_empty, diagnose_load_failure
+
 __all__ = [
     "check_dataset_source",
     "hub_offline",
@@ -88,5 +90,10 @@ def load_source(dataset: str, config_name: str | None = None, split: str = "trai
     if is_hub_dataset_id(dataset):
         return load_dataset(dataset, name=config_name, split=split, streaming=streaming)
     loader, files = resolve_dataset_files(dataset)
+    name = f"dataset '{dataset}'"
+    check_not_empty(files, name)
     extra = {"sample_by": "document"} if loader == "text" else {}
-    return load_dataset(loader, data_files=files, split="train", streaming=streaming, **extra)
+    try:
+        return load_dataset(loader, data_files=files, split="train", streaming=streaming, **extra)
+    except Exception as err:  # datasets / pyarrow name neither the file nor the place
+        raise diagnose_load_failure(loader, files, name, err) from err
