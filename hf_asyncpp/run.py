@@ -57,11 +57,14 @@ def _push(folder: Path, repo_id: str) -> str | None:
 
 def train(config, model_config, launch) -> dict:
     """Run training on this rank; returns the last logged record."""
-    from .data import load_tokenizer, training_data
+    import torch.distributed as dist
+
+    from .data import load_tokenizer, token_free_data, training_data
     from .engine import PipelineEngine
     from .loop import TrainingLoop, load_main_process_first
     from .parallel.mesh import init_parallel, shutdown_parallel
     from .resilience import LocalFailure, PeerLostError, RunFailure, lost_peers_reported
+    from .schedules import get_schedule_spec
 
     _set_threads(config, launch)
     layout = init_parallel(launch, config.pp_size, config.comm_timeout_s)
@@ -69,8 +72,13 @@ def train(config, model_config, launch) -> dict:
     try:
         with lost_peers_reported(layout.rank, config.comm_timeout_s):
             tokenizer = load_tokenizer(config.tokenizer)
+            # Only the ranks of the first and the last stage read the data (inputs, labels).
+            reads = get_schedule_spec(config.schedule).reads_tokens(layout.pp_size, layout.pp_rank)
             data = load_main_process_first(layout, lambda: training_data(
-                config, tokenizer, layout.dp_rank, layout.dp_size, model_config.vocab_size))
+                config, tokenizer, layout.dp_rank, layout.dp_size, model_config.vocab_size) if reads else None)
+            held_out = [None if data is None or data.held_out is None else data.held_out.shape[0]]
+            dist.broadcast_object_list(held_out, group=layout.io_group, group_src=0)  # rank 0 reads tokens
+            data = data or token_free_data(config, held_out[0])
             engine = PipelineEngine(config, model_config, layout)
             loop = TrainingLoop(config, model_config, layout, engine, data, tokenizer)
             if config.resume_from_checkpoint:

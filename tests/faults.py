@@ -8,6 +8,7 @@ Environment:
                      order the stage applies them) is not applied — no optimizer, EF or LR-schedule
                      step, its gradient dropped; nothing non-finite is involved.
   SLOW_DATA=s        rank 0 takes s seconds longer to prepare the dataset (the others wait for it).
+  RECORD_READS=dir   each rank that opens a dataset source writes dir/rank-N (no fault: a witness).
   KILL_IN_SAVE=n     rank 1 kills itself (SIGKILL) in the middle of the n-th checkpoint save (1-based),
                      right after its shard is on disk: the save is not finished.
 """
@@ -55,6 +56,19 @@ def slow_data(seconds: float) -> None:
     data.training_data = slow
 
 
+def record_reads(directory: str) -> None:
+    import hf_asyncpp.data.run_data as run_data
+
+    original = run_data.load_source
+
+    def recorded(*args, **kwargs):
+        with open(os.path.join(directory, f"rank-{os.environ['RANK']}"), "a") as f:
+            f.write(f"{args[0]}\n")
+        return original(*args, **kwargs)
+
+    run_data.load_source = recorded
+
+
 def kill_in_save(n: int) -> None:
     import signal
 
@@ -98,6 +112,8 @@ if __name__ == "__main__":
         drop_update(int(os.environ["IDENTITY_UPDATE"]))
     if "SLOW_DATA" in os.environ:
         slow_data(float(os.environ["SLOW_DATA"]))
+    if "RECORD_READS" in os.environ:
+        record_reads(os.environ["RECORD_READS"])
     if "KILL_IN_SAVE" in os.environ:
         kill_in_save(int(os.environ["KILL_IN_SAVE"]))
     sys.exit(run.main(sys.argv[1:]))

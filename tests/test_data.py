@@ -322,3 +322,40 @@ def test_under_a_two_rank_launch_bad_data_ends_every_rank_with_one_error_and_wri
     assert "Traceback" not in ranks_said and "lost contact" not in ranks_said, ranks_said[-3000:]
     assert "exitcode  : 1" in done.stderr
     assert not out.exists()
+
+
+@pytest.mark.multirank
+def test_only_the_ranks_of_the_first_and_last_stage_read_the_data(tmp_path):
+    """pp 3: rank 1 holds the middle stage, which never looks at a token, and opens no dataset
+    (tests/faults.py RECORD_READS); the run trains and evaluates to the losses of the same run on one
+    process (pp 1), to fp32 reordering of the same arithmetic."""
+    import subprocess
+    import sys
+
+    from tests.test_run import _env
+
+    rows = torch.randint(0, 8192, (96, SEQ_BAD), generator=torch.Generator().manual_seed(0))
+    dataset = _write_jsonl(tmp_path / "d.jsonl", [{"input_ids": r} for r in rows.tolist()])
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    losses = {}
+    for pp in (3, 1):
+        out = tmp_path / f"pp{pp}"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(pp)] if pp > 1 else [sys.executable]
+        done = subprocess.run([*launcher, "tests/faults.py", "--model_config", "tiny-moe", "--dataset", dataset,
+                               "--seq_len", str(SEQ_BAD), "--micro_batch_size", "2", "--n_microbatches", "3",
+                               "--pp_size", str(pp), "--max_steps", "4", "--eval_fraction", "0.25", "--eval_steps", "2",
+                               "--lr_scheduler_type", "constant", "--shuffle", "false", "--threads_per_rank", "1",
+                               "--report_to", "none", "--save_final", "false", "--output_dir", str(out)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**_env(), **({"RECORD_READS": str(reads)} if pp > 1 else {})})
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[pp] = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in records]
+    assert sorted(p.name for p in reads.iterdir()) == ["rank-0", "rank-2"]
+    assert [s for s, _, _ in losses[3]] == [s for s, _, _ in losses[1]]
+    for (_, loss, eval_loss), (_, loss_1, eval_loss_1) in zip(losses[3], losses[1]):
+        assert (loss is None) == (loss_1 is None) and (eval_loss is None) == (eval_loss_1 is None)
+        assert loss is None or abs(loss - loss_1) <= 1e-5
+        assert eval_loss is None or abs(eval_loss - eval_loss_1) <= 1e-5
+    assert any(e is not None for _, _, e in losses[3])  # the middle rank took part in evaluating

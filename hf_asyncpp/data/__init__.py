@@ -19,7 +19,7 @@ from .sources import (
     shakespeare_files,
 )
 from .tokenizer import BUILTIN_TOKENIZER_DIR, EOS_TOKEN, check_tokenizer_source, load_tokenizer
-from .run_data import TrainingData, training_data
+from .run_data import TrainingData, token_free_data, training_data
 
 __all__ = [
     "BUILTIN_TOKENIZER_DIR",
@@ -37,5 +37,6 @@ __all__ = [
     "load_tokenizer",
     "resolve_dataset_files",
     "shakespeare_files",
+    "token_free_data",
     "training_data",
 ]

@@ -1,7 +1,7 @@
 """The data a run trains and evaluates on: one sampler for this dp rank and the held-out blocks.
 
 `training_data(config, ...)` loads `config.dataset` (map-style, or streamed with `streaming: true`)
-and `config.eval_dataset`; `TrainingData.from_datasets(...)` takes datasets already in memory, as a
+and `config.eval_dataset`; a rank whose stages never look at a token takes `token_free_data` instead; `TrainingData.from_datasets(...)` takes datasets already in memory, as a
 `transformers.Trainer`-style front end holds them. Both go through the same packing and samplers.
 Held-out blocks are the eval dataset whole or, for a map-style train set, its last `eval_fraction`.
 """
@@ -17,14 +17,14 @@ from .packing import BlockPacker, check_vocabulary
 from .samplers import MinibatchSampler, StreamingSampler
 from .sources import load_source
 
-__all__ = ["TrainingData", "training_data"]
+__all__ = ["TokenFreeRows", "TrainingData", "token_free_data", "training_data"]
 
 EVAL_DATASET_HUB_SPLIT = "validation"  # the split a Hub id given as eval_dataset is read from
 
 
 @dataclass
 class TrainingData:
-    sampler: MinibatchSampler | StreamingSampler  # .rows(step) → (rows_per_step, seq_len) on this dp rank
+    sampler: MinibatchSampler | StreamingSampler | TokenFreeRows  # .rows(step) → (rows_per_step, seq_len) on this dp rank
     held_out: torch.Tensor | None  # (n, seq_len) validation blocks, or None
 
     @classmethod
@@ -34,6 +34,24 @@ class TrainingData:
         tensor, each holding `input_ids` rows of seq_len tokens or a `config.text_column` to pack. Token
         ids must lie below `vocab_size` (checked when given)."""
         return _build(train_dataset, eval_dataset, tokenizer, config, dp_rank, dp_size, vocab_size)
+
+
+class TokenFreeRows:
+    """The sampler of a rank whose stages never look at a token (a middle pipeline stage): step k's
+    "rows" are zeros of the step's shape, which is all such a rank uses them for."""
+
+    def __init__(self, rows_per_step: int, seq_len: int):
+        self._rows = torch.zeros((), dtype=torch.long).expand(rows_per_step, seq_len)
+
+    def rows(self, step: int) -> torch.Tensor:
+        return self._rows
+
+
+def token_free_data(config, n_held_out: int | None) -> TrainingData:
+    """What a middle pipeline stage's rank holds instead of the data: the shapes (`n_held_out`
+    held-out blocks, from a rank that read them), no tokens."""
+    held_out = None if n_held_out is None else torch.zeros((), dtype=torch.long).expand(n_held_out, config.seq_len)
+    return TrainingData(TokenFreeRows(config.rows_per_step, config.seq_len), held_out)
 
 
 def training_data(config, tokenizer, dp_rank: int, dp_size: int, vocab_size: int | None = None) -> TrainingData:

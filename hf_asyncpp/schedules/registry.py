@@ -45,6 +45,11 @@ class ScheduleSpec:
             return [rank, 2 * pp_size - 1 - rank]
         return [rank + k * pp_size for k in range(self.stages_per_rank)]
 
+    def reads_tokens(self, pp_size: int, rank: int) -> bool:
+        """Whether rank `rank` holds the first stage (token inputs) or the last (labels): the others
+        never look at a token."""
+        return bool({0, self.n_stages(pp_size) - 1} & set(self.stage_indices(pp_size, rank)))
+
     def actions(self, pp_size: int, n_microbatches: int) -> ComputeActions:
         """The compute lists, checked in one process with the communication the runtime posts for
         them (validate.py); raises ScheduleError or ValueError.
