@@ -38,13 +38,15 @@ class TrainConfig:
     dataset: str = "shakespeare"  # "shakespeare" (offline corpus), text/jsonl/parquet files (globs ok) or a Hub id
     dataset_config_name: str | None = None  # the Hub dataset's configuration (subset)
     dataset_split: str = "train"  # the Hub dataset's split (local files are all one split)
+    dataset_revision: str | None = None  # the Hub datasets' revision (branch, tag or commit): a reproducible run pins it
     streaming: bool = False  # read the dataset as a stream, packed on the fly (corpora too large to load)
     text_column: str = "text"
     tokenizer: str = "builtin"  # "builtin" (shipped BPE) or an HF tokenizer directory
     seq_len: int = 128
     shuffle: bool = True
     eval_fraction: float = 0.0  # share of the blocks held out for validation (the last ones; 0: none)
-    eval_dataset: str | None = None  # files or a Hub id (its "validation" split) held out whole; replaces eval_fraction
+    eval_dataset: str | None = None  # files or a Hub id (its eval_dataset_split) held out whole; replaces eval_fraction
+    eval_dataset_split: str = "validation"  # the Hub eval_dataset's split
     eval_steps: int = 0  # evaluate every N steps (0: only at the end, when there is a held-out split)
     # pipeline
     pp_size: int = 2

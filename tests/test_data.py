@@ -236,9 +236,10 @@ def test_datasets_in_memory_give_the_rows_of_the_same_files(tmp_path):
     assert _steps(streamed.sampler, range(5)) == _steps(all_files.sampler, range(5))
 
     rows = torch.randint(0, 100, (12, 8), generator=torch.Generator().manual_seed(0))
+    held = rows[:4] + 100  # blocks the training rows do not hold
     for given in (Dataset.from_dict({"input_ids": rows.tolist()}), rows):
-        data = TrainingData.from_datasets(given, rows[:4], None, _config(), 0, 1)
-        assert torch.equal(data.sampler.rows(1), rows[4:8]) and torch.equal(data.held_out, rows[:4])
+        data = TrainingData.from_datasets(given, held, None, _config(), 0, 1)
+        assert torch.equal(data.sampler.rows(1), rows[4:8]) and torch.equal(data.held_out, held)
 
 
 def test_an_eval_dataset_is_held_out_whole_and_never_trained_on(tmp_path):
@@ -249,6 +250,27 @@ def test_an_eval_dataset_is_held_out_whole_and_never_trained_on(tmp_path):
         assert torch.equal(data.held_out, build_token_blocks(held, tokenizer, 8))
         trained = build_token_blocks(dataset, tokenizer, 8)
         assert _steps(data.sampler, range(2)) == [trained[:4].tolist(), trained[4:8].tolist()]
+
+
+def test_a_held_out_set_that_repeats_training_blocks_is_refused():
+    rows = torch.randint(0, 100, (12, 8), generator=torch.Generator().manual_seed(0))
+    held = torch.cat([rows[:2] + 100, rows[7:8]])  # its block 2 is training block 7
+    with pytest.raises(DataError, match=r"eval_dataset repeats blocks of train_dataset \(block 2, and up to 1"):
+        TrainingData.from_datasets(rows, held, None, _config(), 0, 1)
+    TrainingData.from_datasets(rows, held[:2], None, _config(), 0, 1)  # disjoint: accepted
+
+
+def test_hub_datasets_are_read_at_the_configured_splits_and_revision(monkeypatch):
+    import datasets
+
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((args, kwargs)) or [])
+    monkeypatch.setattr("hf_asyncpp.data.run_data._build", lambda *args, **kwargs: None)
+    config = _config(dataset="org/corpus", dataset_split="train[:90%]", eval_dataset="org/heldout",
+                     eval_dataset_split="test", dataset_revision="v1.2", dataset_config_name="en")
+    training_data(config, None, 0, 1)
+    assert calls == [(("org/corpus",), dict(name="en", split="train[:90%]", streaming=False, revision="v1.2")),
+                     (("org/heldout",), dict(name="en", split="test", streaming=False, revision="v1.2"))]
 
 
 # Bad data is refused like a bad config: one `error:` line naming the file, the place and the fix.

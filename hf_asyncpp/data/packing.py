@@ -14,7 +14,7 @@ import torch
 
 from .errors import DataError
 
-__all__ = ["BlockPacker", "build_token_blocks", "check_vocabulary"]
+__all__ = ["BlockPacker", "build_token_blocks", "check_disjoint", "check_vocabulary"]
 
 
 class BlockPacker:
@@ -83,3 +83,15 @@ def check_vocabulary(blocks: torch.Tensor, vocab_size: int | None, name: str, fi
         raise DataError(f"{name}: block {first_row + row} holds token id {token}, outside the model's vocabulary "
                         f"of {vocab_size} ids: the data was tokenized for another model; tokenize it with this run's "
                         "tokenizer, or use a model_config whose vocab_size covers it")
+
+
+def check_disjoint(train: torch.Tensor, held_out: torch.Tensor, train_name: str, eval_name: str) -> None:
+    """Refuse a held-out set that repeats training blocks: its loss would not measure generalization.
+    Blocks are compared by a 64-bit hash of their tokens, then exactly."""
+    weights = torch.randint(-2**62, 2**62, (train.shape[1],), generator=torch.Generator().manual_seed(0))
+    train_hash, eval_hash = (train * weights).sum(dim=1), (held_out * weights).sum(dim=1)  # wraps around: fine
+    for row in torch.isin(eval_hash, train_hash).nonzero().flatten().tolist():
+        if (train == held_out[row]).all(dim=1).any():
+            shared = int(torch.isin(eval_hash, train_hash).sum())
+            raise DataError(f"{eval_name} repeats blocks of {train_name} (block {row}, and up to {shared} in all): "
+                            "held-out data must not be trained on; give an eval set disjoint from the training data")

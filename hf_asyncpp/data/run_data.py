@@ -13,13 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from ..evaluation import split_held_out
-from .packing import BlockPacker, check_vocabulary
+from .packing import BlockPacker, check_disjoint, check_vocabulary
 from .samplers import MinibatchSampler, StreamingSampler
 from .sources import load_source
 
 __all__ = ["TokenFreeRows", "TrainingData", "token_free_data", "training_data"]
-
-EVAL_DATASET_HUB_SPLIT = "validation"  # the split a Hub id given as eval_dataset is read from
 
 
 @dataclass
@@ -57,10 +55,12 @@ def token_free_data(config, n_held_out: int | None) -> TrainingData:
 def training_data(config, tokenizer, dp_rank: int, dp_size: int, vocab_size: int | None = None) -> TrainingData:
     """The run's data as the config names it (files, "shakespeare" or a Hub id); token ids must lie
     below `vocab_size` (checked when given)."""
-    train = load_source(config.dataset, config.dataset_config_name, config.dataset_split, streaming=config.streaming)
+    train = load_source(config.dataset, config.dataset_config_name, config.dataset_split, streaming=config.streaming,
+                        revision=config.dataset_revision)
     eval_rows = None
     if config.eval_dataset is not None:
-        eval_rows = load_source(config.eval_dataset, config.dataset_config_name, EVAL_DATASET_HUB_SPLIT)
+        eval_rows = load_source(config.eval_dataset, config.dataset_config_name, config.eval_dataset_split,
+                                revision=config.dataset_revision)
     return _build(train, eval_rows, tokenizer, config, dp_rank, dp_size, vocab_size,
                   f"dataset '{config.dataset}'", f"eval_dataset '{config.eval_dataset}'")
 
@@ -84,6 +84,8 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
         return TrainingData(sampler, held_out)
     blocks = packer.tensor(train_dataset, train_name)
     check_vocabulary(blocks, vocab_size, train_name)
+    if held_out is not None:
+        check_disjoint(blocks, held_out, train_name, eval_name)
     if eval_dataset is None:
         blocks, held_out = split_held_out(blocks, config.eval_fraction)
     sampler = MinibatchSampler(blocks, config.rows_per_step, dp_rank, dp_size, config.shuffle, config.seed)

@@ -83,12 +83,14 @@ def check_dataset_source(dataset: str, key: str = "dataset") -> None:
         raise type(err)(f"{key}: {err}") from None
 
 
-def load_source(dataset: str, config_name: str | None = None, split: str = "train", streaming: bool = False):
-    """The rows of a source: a `datasets.Dataset`, or an `IterableDataset` when streaming."""
+def load_source(dataset: str, config_name: str | None = None, split: str = "train", streaming: bool = False,
+                revision: str | None = None):
+    """The rows of a source: a `datasets.Dataset`, or an `IterableDataset` when streaming. `split`,
+    `config_name` and `revision` apply to Hub ids."""
     from datasets import load_dataset
 
     if is_hub_dataset_id(dataset):
-        return load_dataset(dataset, name=config_name, split=split, streaming=streaming)
+        return load_dataset(dataset, name=config_name, split=split, streaming=streaming, revision=revision)
     loader, files = resolve_dataset_files(dataset)
     name = f"dataset '{dataset}'"
     check_not_empty(files, name)
