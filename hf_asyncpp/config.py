@@ -41,6 +41,7 @@ class TrainConfig:
     dataset_revision: str | None = None  # the Hub datasets' revision (branch, tag or commit): a reproducible run pins it
     streaming: bool = False  # read the dataset as a stream, packed on the fly (corpora too large to load)
     text_column: str = "text"
+    preprocessing_num_workers: int | None = None  # processes tokenizing a map-style dataset (cached; None: one)
     tokenizer: str = "builtin"  # "builtin" (shipped BPE) or an HF tokenizer directory
     seq_len: int = 128
     shuffle: bool = True

@@ -252,6 +252,21 @@ def test_an_eval_dataset_is_held_out_whole_and_never_trained_on(tmp_path):
         assert _steps(data.sampler, range(2)) == [trained[:4].tolist(), trained[4:8].tolist()]
 
 
+def test_text_is_tokenized_once_and_a_second_load_reads_the_cache(tmp_path, monkeypatch):
+    """The map-style path tokenizes through datasets' cached map; its blocks are the ones the
+    row-by-row packer (the streaming path) cuts, and loading again calls no tokenizer."""
+    tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, "jsonl")
+    packer = BlockPacker(tokenizer, 8, num_proc=2)
+    first = packer.tensor(load_source(dataset), "corpus")
+    assert torch.equal(first, torch.tensor(list(BlockPacker(tokenizer, 8).blocks(load_source(dataset)))))
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(type(tokenizer), "__call__", no_tokenizing)
+    assert torch.equal(BlockPacker(tokenizer, 8, num_proc=2).tensor(load_source(dataset), "corpus"), first)
+
+
 def test_a_held_out_set_that_repeats_training_blocks_is_refused():
     rows = torch.randint(0, 100, (12, 8), generator=torch.Generator().manual_seed(0))
     held = torch.cat([rows[:2] + 100, rows[7:8]])  # its block 2 is training block 7

@@ -20,8 +20,10 @@ __all__ = ["BlockPacker", "build_token_blocks", "check_disjoint", "check_vocabul
 class BlockPacker:
     """Packs the rows of a `datasets.Dataset` / `IterableDataset` into blocks of seq_len tokens."""
 
-    def __init__(self, tokenizer, seq_len: int, text_column: str = "text", batch_size: int = 1000):
+    def __init__(self, tokenizer, seq_len: int, text_column: str = "text", batch_size: int = 1000,
+                 num_proc: int | None = None):
         self.tokenizer, self.seq_len, self.text_column, self.batch_size = tokenizer, seq_len, text_column, batch_size
+        self.num_proc = num_proc  # processes tokenizing a map-style dataset (None: this one)
 
     def blocks(self, dataset, name: str = "dataset") -> Iterator[list[int]]:
         """The dataset's blocks in row order, each a list of seq_len token ids."""
@@ -54,15 +56,32 @@ class BlockPacker:
             yield ids
 
     def tensor(self, dataset, name: str = "dataset") -> torch.Tensor:
-        """All blocks of a finite dataset (or a (rows, seq_len) tensor, checked) as an int64 tensor."""
+        """All blocks of a finite dataset (or a (rows, seq_len) tensor, checked) as an int64 tensor.
+        Text is tokenized once: by `datasets.Dataset.map`, whose result datasets caches on disk (keyed
+        by the data, the tokenizer and this function), so a second run or a restart only reads it."""
         if isinstance(dataset, torch.Tensor):
             if dataset.ndim != 2 or dataset.shape[1] != self.seq_len:
                 raise DataError(f"{name} is a tensor of shape {tuple(dataset.shape)}, expected (n, {self.seq_len})")
             return dataset.long()
-        blocks = list(self.blocks(dataset, name))
-        if not blocks:
+        if "input_ids" not in dataset.column_names and self.text_column in dataset.column_names:
+            blocks = self._packed_from_cache(dataset)
+        else:
+            blocks = torch.tensor(list(self.blocks(dataset, name)), dtype=torch.long).view(-1, self.seq_len)
+        if not len(blocks):
             raise DataError(f"{name} yields no block of {self.seq_len} tokens")
-        return torch.tensor(blocks, dtype=torch.long)
+        return blocks
+
+    def _packed_from_cache(self, dataset) -> torch.Tensor:
+        """`blocks(dataset)` for the text of a map-style dataset, with the tokens from a cached map:
+        every row's ids and an EOS, concatenated in row order and cut into blocks (the tail dropped)."""
+        import numpy as np
+
+        tokenized = dataset.map(_TokenizeRows(self.tokenizer, self.text_column), batched=True,
+                                batch_size=self.batch_size, num_proc=self.num_proc,
+                                remove_columns=dataset.column_names, desc="tokenizing")
+        ids = tokenized.data.column("ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        n_blocks = len(ids) // self.seq_len
+        return torch.from_numpy(np.array(ids[:n_blocks * self.seq_len], dtype=np.int64)).view(n_blocks, self.seq_len)
 
 
 def build_token_blocks(dataset: str, tokenizer, seq_len: int, text_column: str = "text") -> torch.Tensor:
@@ -70,6 +89,18 @@ def build_token_blocks(dataset: str, tokenizer, seq_len: int, text_column: str =
     from .sources import load_source
 
     return BlockPacker(tokenizer, seq_len, text_column).tensor(load_source(dataset), f"dataset '{dataset}'")
+
+
+class _TokenizeRows:
+    """The map function: each row's tokens followed by an EOS. A class with plain fields, so that
+    datasets' fingerprint (and with it the cache) follows the tokenizer and the column."""
+
+    def __init__(self, tokenizer, text_column: str):
+        self.tokenizer, self.text_column = tokenizer, text_column
+
+    def __call__(self, batch):
+        encoded = self.tokenizer(list(batch[self.text_column]), add_special_tokens=False, verbose=False)
+        return {"ids": [ids + [self.tokenizer.eos_token_id] for ids in encoded["input_ids"]]}
 
 
 def check_vocabulary(blocks: torch.Tensor, vocab_size: int | None, name: str, first_row: int = 0) -> None:

@@ -69,7 +69,7 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
            train_name: str = "train_dataset", eval_name: str = "eval_dataset") -> TrainingData:
     from datasets import IterableDataset
 
-    packer = BlockPacker(tokenizer, config.seq_len, config.text_column)
+    packer = BlockPacker(tokenizer, config.seq_len, config.text_column, num_proc=config.preprocessing_num_workers)
     if eval_dataset is not None and config.eval_fraction > 0:
         raise ValueError("an eval dataset replaces eval_fraction: set eval_fraction to 0 or drop the eval dataset")
     held_out = None if eval_dataset is None else packer.tensor(eval_dataset, eval_name)
