@@ -1,5 +1,6 @@
 """The `hf-asyncpp` command: `hf-asyncpp train --config ...` (same as training_scripts/train.py),
-`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp plot <run_dir> ...`
+`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp prepare-data` (a corpus as
+pre-tokenized parquet shards), `hf-asyncpp plot <run_dir> ...`
 (loss curves as PNG), `hf-asyncpp study <study.yaml>` (a grid of runs with a results table and
 figures) and `hf-asyncpp schedules` (print each registered schedule's action lists)."""
 
@@ -21,6 +22,11 @@ commands:
   study STUDY.yaml [--report-only]           run (or continue) a study: optimizer × delay × EF × momentum ×
                                             depth × seed; writes results.md/.csv/.json and figures
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
+  prepare-data SOURCE OUT_DIR --seq_len N [--tokenizer T] [--text_column C] [--blocks_per_shard B]
+               [--dataset_config_name X] [--dataset_split S] [--dataset_revision R]
+                                            tokenize and pack a corpus (files or a Hub id, streamed)
+                                            into parquet shards + manifest.json; train with
+                                            `--dataset OUT_DIR` (no tokenizing, no network)
 """
 
 
@@ -105,6 +111,35 @@ def _show_schedules(argv: list[str]) -> int:
     return 0
 
 
+def _prepare_data(argv: list[str]) -> int:
+    import argparse
+
+    from .data.errors import DataError
+    from .data.prepare import prepare_data
+
+    parser = argparse.ArgumentParser(prog="hf-asyncpp prepare-data")
+    parser.add_argument("source")
+    parser.add_argument("out_dir")
+    parser.add_argument("--seq_len", type=int, required=True)
+    parser.add_argument("--tokenizer", default="builtin")
+    parser.add_argument("--text_column", default="text")
+    parser.add_argument("--blocks_per_shard", type=int, default=100_000)
+    parser.add_argument("--dataset_config_name")
+    parser.add_argument("--dataset_split", default="train")
+    parser.add_argument("--dataset_revision")
+    args = parser.parse_args(argv)
+    try:
+        manifest = prepare_data(args.source, args.out_dir, args.tokenizer, args.seq_len, args.text_column,
+                                args.blocks_per_shard, args.dataset_config_name, args.dataset_split,
+                                args.dataset_revision)
+    except (DataError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"[hf_asyncpp] {args.out_dir}: {manifest['blocks']} blocks of {args.seq_len} tokens in "
+          f"{len(manifest['shards'])} shard(s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -123,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         return _study(rest)
     if command == "plot":
         return _plot(rest)
+    if command == "prepare-data":
+        return _prepare_data(rest)
     print(f"unknown command '{command}'\n{_USAGE}", file=sys.stderr)
     return 2
 

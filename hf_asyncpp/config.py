@@ -394,9 +394,10 @@ def validate_config(config: TrainConfig, world_size: int):
 
     check_model_fits(config, model_config)
     try:
-        check_dataset_source(config.dataset)
+        check_dataset_source(config.dataset, seq_len=config.seq_len, vocab_size=model_config.vocab_size)
         if config.eval_dataset is not None:
-            check_dataset_source(config.eval_dataset, key="eval_dataset")
+            check_dataset_source(config.eval_dataset, key="eval_dataset", seq_len=config.seq_len,
+                                 vocab_size=model_config.vocab_size)
         check_tokenizer_source(config.tokenizer, model_config.vocab_size)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None

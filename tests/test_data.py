@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -265,6 +267,44 @@ def test_text_is_tokenized_once_and_a_second_load_reads_the_cache(tmp_path, monk
 
     monkeypatch.setattr(type(tokenizer), "__call__", no_tokenizing)
     assert torch.equal(BlockPacker(tokenizer, 8, num_proc=2).tensor(load_source(dataset), "corpus"), first)
+
+
+def _prepare(*args) -> subprocess.CompletedProcess:
+    from tests.test_run import _env
+
+    return subprocess.run([sys.executable, "-m", "hf_asyncpp.cli", "prepare-data", *args], capture_output=True,
+                          text=True, env=_env(), timeout=300)
+
+
+def test_prepared_shards_train_on_the_blocks_of_the_corpus_itself(tmp_path):
+    """`hf-asyncpp prepare-data` streams the corpus through the one packing rule into parquet shards and
+    a manifest; a run on the shards reads the corpus's own blocks (in order) without tokenizing."""
+    corpus, out = _corpus(tmp_path, "jsonl"), tmp_path / "prepared"
+    done = _prepare(corpus, str(out), "--seq_len", "8", "--blocks_per_shard", "4")
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    direct = build_token_blocks(corpus, load_tokenizer("builtin"), 8)
+    assert manifest["blocks"] == len(direct) and manifest["seq_len"] == 8 and manifest["vocab_size"] == 8192
+    assert [s["blocks"] for s in manifest["shards"]] == [4] * (len(direct) // 4) + ([len(direct) % 4] if len(direct) % 4 else [])
+    assert torch.equal(build_token_blocks(str(out), None, 8), direct)  # no tokenizer needed
+    config = _config(dataset=str(out))
+    assert _steps(training_data(config, None, 0, 1).sampler, range(3)) == _steps(
+        training_data(_config(dataset=corpus), load_tokenizer("builtin"), 0, 1).sampler, range(3))
+
+
+def test_prepared_shards_are_refused_at_another_seq_len_and_never_left_half_written(tmp_path):
+    from hf_asyncpp.config import ConfigError, validate_config
+
+    corpus, out = _corpus(tmp_path, "jsonl"), tmp_path / "prepared"
+    assert _prepare(corpus, str(out), "--seq_len", "8").returncode == 0
+    with pytest.raises(ConfigError, match=f"dataset '{out}' was prepared for seq_len 8, not 16: set seq_len 8"):
+        validate_config(TrainConfig(model_config="tiny-moe", dataset=str(out), seq_len=16, pp_size=1), 1)
+    again = _prepare(corpus, str(out), "--seq_len", "8")  # a finished directory is never overwritten
+    assert again.returncode == 1 and again.stderr.startswith(f"error: {out} exists")
+    (tmp_path / "corpus_jsonl" / "z.jsonl").write_bytes(b"\xff\xfe not json")  # read after the good files
+    broken = _prepare(str(tmp_path / "corpus_jsonl"), str(tmp_path / "broken"), "--seq_len", "8")
+    assert broken.returncode == 1 and "z.jsonl: line 1 (byte 0) is not UTF-8 text" in broken.stderr, broken.stderr
+    assert not (tmp_path / "broken").exists() and not (tmp_path / "broken.partial").exists()
 
 
 def test_a_held_out_set_that_repeats_training_blocks_is_refused():

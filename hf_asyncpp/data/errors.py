@@ -43,8 +43,7 @@ def _first_unreadable_place(loader: str, path: str) -> str | None:
             for number, line in enumerate(f, start=1):
                 problem = _line_problem(line)
                 if problem:
-                    return (f"line {number} (byte {offset}) is not {problem}; the file may have been cut short "
-                            "while written: write it again or drop that line")
+                    return f"line {number} (byte {offset}) is not {problem}"
                 offset += len(line)
         return None
     if loader in ("json", "text"):
@@ -61,16 +60,18 @@ def _first_unreadable_place(loader: str, path: str) -> str | None:
 
 
 def _line_problem(line: bytes) -> str | None:
+    """What is wrong with one jsonl line, and what to do (None: nothing)."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as err:
-        return f"UTF-8 text (byte {err.start} of the line)"
+        return f"UTF-8 text (byte {err.start} of the line; a binary file?); {_TEXT_HINT}"
     if not text.strip():
         return None
     try:
         row = json.loads(text)
     except json.JSONDecodeError as err:
-        return f"valid JSON ({err.msg} at column {err.colno})"
+        return (f"valid JSON ({err.msg} at column {err.colno}); the file may have been cut short while written: "
+                "write it again or drop that line")
     return None if isinstance(row, dict) else "a JSON object (one row per line: {\"input_ids\": [...]} or {\"text\": ...})"
 
 

@@ -50,10 +50,12 @@ class BlockPacker:
         for number, ids in enumerate(rows, start=first_row):
             ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
             if len(ids) != self.seq_len:
-                raise DataError(f"{name}: row {number} holds {len(ids)} input_ids, but rows of input_ids are used as "
-                                f"given and seq_len is {self.seq_len}: set seq_len {len(ids)}, or give the rows as "
-                                "text to be packed")
+                raise self._wrong_length(name, number, len(ids))
             yield ids
+
+    def _wrong_length(self, name: str, row: int, length: int) -> DataError:
+        return DataError(f"{name}: row {row} holds {length} input_ids, but rows of input_ids are used as given and "
+                         f"seq_len is {self.seq_len}: set seq_len {length}, or give the rows as text to be packed")
 
     def tensor(self, dataset, name: str = "dataset") -> torch.Tensor:
         """All blocks of a finite dataset (or a (rows, seq_len) tensor, checked) as an int64 tensor.
@@ -63,13 +65,29 @@ class BlockPacker:
             if dataset.ndim != 2 or dataset.shape[1] != self.seq_len:
                 raise DataError(f"{name} is a tensor of shape {tuple(dataset.shape)}, expected (n, {self.seq_len})")
             return dataset.long()
-        if "input_ids" not in dataset.column_names and self.text_column in dataset.column_names:
+        if "input_ids" in dataset.column_names:
+            blocks = self._given_blocks(dataset, name)
+        elif self.text_column in dataset.column_names:
             blocks = self._packed_from_cache(dataset)
         else:
             blocks = torch.tensor(list(self.blocks(dataset, name)), dtype=torch.long).view(-1, self.seq_len)
         if not len(blocks):
             raise DataError(f"{name} yields no block of {self.seq_len} tokens")
         return blocks
+
+    def _given_blocks(self, dataset, name: str) -> torch.Tensor:
+        """The `input_ids` rows of a map-style dataset (prepared shards, say) as blocks, read as one
+        Arrow column rather than row by row."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        column = dataset.with_format("arrow")[:].column("input_ids").combine_chunks()
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        wrong = np.flatnonzero(lengths != self.seq_len)
+        if len(wrong):
+            raise self._wrong_length(name, int(wrong[0]), int(lengths[wrong[0]]))
+        ids = np.array(column.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
+        return torch.from_numpy(ids).view(-1, self.seq_len)
 
     def _packed_from_cache(self, dataset) -> torch.Tensor:
         """`blocks(dataset)` for the text of a map-style dataset, with the tokens from a cached map:

@@ -12,13 +12,15 @@ import os
 import re
 from pathlib import Path
 
-from .errors import check_not_empty, diagnose_load_failure
+from .errors import DataError, check_not_empty, diagnose_load_failure
+from .prepare import read_manifest
 
 __all__ = [
     "check_dataset_source",
     "hub_offline",
     "is_hub_dataset_id",
     "load_source",
+    "read_failure",
     "resolve_dataset_files",
     "shakespeare_files",
 ]
@@ -44,6 +46,9 @@ def resolve_dataset_files(dataset: str) -> tuple[str, list[str]]:
     """(datasets loader name, files) for a dataset source; FileNotFoundError / ValueError if unusable."""
     if dataset == "shakespeare":
         return "text", shakespeare_files()
+    manifest = read_manifest(dataset)
+    if manifest is not None:  # prepared shards (prepare.py): the manifest names them
+        return "parquet", [os.path.join(dataset, shard["file"]) for shard in manifest["shards"]]
     pattern = os.path.join(dataset, "*") if os.path.isdir(dataset) else dataset
     files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
     if not files:
@@ -68,8 +73,18 @@ def is_hub_dataset_id(dataset: str) -> bool:
             and not os.path.exists(dataset))
 
 
-def check_dataset_source(dataset: str, key: str = "dataset") -> None:
-    """Raise FileNotFoundError / ValueError (naming the config key) unless `dataset` can be loaded."""
+def check_dataset_source(dataset: str, key: str = "dataset", seq_len: int | None = None,
+                         vocab_size: int | None = None) -> None:
+    """Raise FileNotFoundError / ValueError (naming the config key) unless `dataset` can be loaded
+    (and, prepared by `hf-asyncpp prepare-data`, was prepared for this seq_len and vocabulary)."""
+    manifest = read_manifest(dataset) if os.path.isdir(dataset) else None
+    if manifest is not None:
+        if seq_len is not None and manifest["seq_len"] != seq_len:
+            raise ValueError(f"{key} '{dataset}' was prepared for seq_len {manifest['seq_len']}, not {seq_len}: "
+                             f"set seq_len {manifest['seq_len']}, or prepare the corpus again")
+        if vocab_size is not None and manifest["vocab_size"] > vocab_size:
+            raise ValueError(f"{key} '{dataset}' was tokenized with {manifest['tokenizer']} ({manifest['vocab_size']} "
+                             f"tokens), more than the model's vocab_size {vocab_size}")
     if is_hub_dataset_id(dataset):
         if hub_offline():
             raise FileNotFoundError(f"{key} '{dataset}' is not a local file/directory and the Hub is offline "
@@ -92,10 +107,19 @@ def load_source(dataset: str, config_name: str | None = None, split: str = "trai
     if is_hub_dataset_id(dataset):
         return load_dataset(dataset, name=config_name, split=split, streaming=streaming, revision=revision)
     loader, files = resolve_dataset_files(dataset)
-    name = f"dataset '{dataset}'"
-    check_not_empty(files, name)
+    check_not_empty(files, f"dataset '{dataset}'")
     extra = {"sample_by": "document"} if loader == "text" else {}
     try:
         return load_dataset(loader, data_files=files, split="train", streaming=streaming, **extra)
     except Exception as err:  # datasets / pyarrow name neither the file nor the place
-        raise diagnose_load_failure(loader, files, name, err) from err
+        raise read_failure(dataset, err) from err
+
+
+def read_failure(dataset: str, err: Exception) -> DataError:
+    """The DataError for `err`, raised while loading or (streamed) reading `dataset`."""
+    if isinstance(err, DataError):
+        return err
+    if is_hub_dataset_id(dataset):
+        return DataError(f"dataset '{dataset}' could not be read ({type(err).__name__}: {err})")
+    loader, files = resolve_dataset_files(dataset)
+    return diagnose_load_failure(loader, files, f"dataset '{dataset}'", err)
