@@ -267,7 +267,7 @@ class PipelineEngine:
             counter.reset()
         lr = self.updaters[0].optimizer.param_groups[0]["lr"]
         # Weight-version age: updates between the weights a gradient was taken at and those it updates.
-        rows = rows.to(self.layout.device)
+        rows = rows.to(self.layout.device, non_blocking=True)  # pinned rows (data/prefetch.py) overlap compute
         if self.emulated:  # one process, no pipeline: all of the step is compute
             self._step_ages = self.emulated.run_step(rows, self.loss_fn, self._apply_update)
             busy = time.perf_counter() - start

@@ -307,6 +307,53 @@ def test_prepared_shards_are_refused_at_another_seq_len_and_never_left_half_writ
     assert not (tmp_path / "broken").exists() and not (tmp_path / "broken.partial").exists()
 
 
+class _CountingSampler:
+    """rows(step) = a tensor naming the step; counts calls; fails at `fail_at`."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.fail_at = [], fail_at
+
+    def rows(self, step):
+        self.calls.append(step)
+        if step == self.fail_at:
+            raise DataError(f"bad row in step {step}")
+        return torch.full((2, 3), step)
+
+
+def test_prefetched_rows_are_the_samplers_in_any_order_of_requests():
+    from hf_asyncpp.data.prefetch import Prefetcher
+
+    sampler = _CountingSampler()
+    prefetcher = Prefetcher(sampler, ahead=2)
+    asked = [1, 0, 2, 1, 3, 2, 0, 9, 8, 10, 9]  # ask-ahead pairs, a restart behind, a resume far ahead
+    assert [int(prefetcher.rows(s)[0, 0]) for s in asked] == asked
+    prefetcher.close()
+
+
+def test_the_next_steps_are_read_before_they_are_asked_for():
+    import time
+
+    from hf_asyncpp.data.prefetch import Prefetcher
+
+    sampler = _CountingSampler()
+    prefetcher = Prefetcher(sampler, ahead=2)
+    prefetcher.rows(0)
+    deadline = time.time() + 10
+    while len(sampler.calls) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    assert sampler.calls == [0, 1, 2]  # steps 1 and 2 ready while step 0 trains, and no further
+    prefetcher.close()
+
+
+def test_a_prefetched_steps_error_reaches_the_step_that_asks_for_it():
+    from hf_asyncpp.data.prefetch import Prefetcher
+
+    prefetcher = Prefetcher(_CountingSampler(fail_at=2), ahead=2)
+    assert int(prefetcher.rows(1)[0, 0]) == 1
+    with pytest.raises(DataError, match="bad row in step 2"):
+        prefetcher.rows(2)
+
+
 def test_a_held_out_set_that_repeats_training_blocks_is_refused():
     rows = torch.randint(0, 100, (12, 8), generator=torch.Generator().manual_seed(0))
     held = torch.cat([rows[:2] + 100, rows[7:8]])  # its block 2 is training block 7

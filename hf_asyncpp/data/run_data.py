@@ -14,6 +14,7 @@ import torch
 
 from ..evaluation import split_held_out
 from .packing import BlockPacker, check_disjoint, check_vocabulary
+from .prefetch import Prefetcher
 from .samplers import MinibatchSampler, StreamingSampler
 from .sources import load_source
 
@@ -22,7 +23,7 @@ __all__ = ["TokenFreeRows", "TrainingData", "token_free_data", "training_data"]
 
 @dataclass
 class TrainingData:
-    sampler: MinibatchSampler | StreamingSampler | TokenFreeRows  # .rows(step) → (rows_per_step, seq_len) on this dp rank
+    sampler: MinibatchSampler | Prefetcher | TokenFreeRows  # .rows(step) → (rows_per_step, seq_len), this dp rank
     held_out: torch.Tensor | None  # (n, seq_len) validation blocks, or None
 
     @classmethod
@@ -81,7 +82,8 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
                              "give an eval dataset instead")
         sampler = StreamingSampler(train_dataset, packer, config.rows_per_step, dp_rank, dp_size,
                                    config.shuffle, config.seed, vocab_size=vocab_size, name=train_name)
-        return TrainingData(sampler, held_out)
+        # Packing a stream costs time per step: the next steps are read ahead in a thread.
+        return TrainingData(Prefetcher(sampler, pin_memory=torch.cuda.is_available()), held_out)
     blocks = packer.tensor(train_dataset, train_name)
     check_vocabulary(blocks, vocab_size, train_name)
     if held_out is not None:
