@@ -24,6 +24,7 @@ class BlockPacker:
                  num_proc: int | None = None):
         self.tokenizer, self.seq_len, self.text_column, self.batch_size = tokenizer, seq_len, text_column, batch_size
         self.num_proc = num_proc  # processes tokenizing a map-style dataset (None: this one)
+        self._tokenize = _TokenizeRows(tokenizer, text_column)  # the one rule: a row's tokens, then an EOS
 
     def blocks(self, dataset, name: str = "dataset") -> Iterator[list[int]]:
         """The dataset's blocks in row order, each a list of seq_len token ids."""
@@ -37,10 +38,8 @@ class BlockPacker:
             if self.text_column not in batch:
                 raise DataError(f"{name} has no '{self.text_column}' column (columns: {', '.join(batch)}); "
                                 "set text_column, or give rows of input_ids")
-            encoded = self.tokenizer(list(batch[self.text_column]), add_special_tokens=False, verbose=False)
-            for ids in encoded["input_ids"]:
+            for ids in self._tokenize(batch)["ids"]:
                 pending.extend(ids)
-                pending.append(self.tokenizer.eos_token_id)
             n_full = len(pending) // self.seq_len
             for b in range(n_full):
                 yield pending[b * self.seq_len:(b + 1) * self.seq_len]
@@ -65,9 +64,12 @@ class BlockPacker:
             if dataset.ndim != 2 or dataset.shape[1] != self.seq_len:
                 raise DataError(f"{name} is a tensor of shape {tuple(dataset.shape)}, expected (n, {self.seq_len})")
             return dataset.long()
-        if "input_ids" in dataset.column_names:
+        from datasets import Dataset
+
+        columns = dataset.column_names if isinstance(dataset, Dataset) else ()  # an IterableDataset: row by row
+        if "input_ids" in columns:
             blocks = self._given_blocks(dataset, name)
-        elif self.text_column in dataset.column_names:
+        elif self.text_column in columns:
             blocks = self._packed_from_cache(dataset)
         else:
             blocks = torch.tensor(list(self.blocks(dataset, name)), dtype=torch.long).view(-1, self.seq_len)
@@ -94,7 +96,7 @@ class BlockPacker:
         every row's ids and an EOS, concatenated in row order and cut into blocks (the tail dropped)."""
         import numpy as np
 
-        tokenized = dataset.map(_TokenizeRows(self.tokenizer, self.text_column), batched=True,
+        tokenized = dataset.map(self._tokenize, batched=True,
                                 batch_size=self.batch_size, num_proc=self.num_proc,
                                 remove_columns=dataset.column_names, desc="tokenizing")
         ids = tokenized.data.column("ids").combine_chunks().flatten().to_numpy(zero_copy_only=False)
@@ -139,8 +141,9 @@ def check_disjoint(train: torch.Tensor, held_out: torch.Tensor, train_name: str,
     Blocks are compared by a 64-bit hash of their tokens, then exactly."""
     weights = torch.randint(-2**62, 2**62, (train.shape[1],), generator=torch.Generator().manual_seed(0))
     train_hash, eval_hash = (train * weights).sum(dim=1), (held_out * weights).sum(dim=1)  # wraps around: fine
-    for row in torch.isin(eval_hash, train_hash).nonzero().flatten().tolist():
+    candidates = torch.isin(eval_hash, train_hash)
+    for row in candidates.nonzero().flatten().tolist():
         if (train == held_out[row]).all(dim=1).any():
-            shared = int(torch.isin(eval_hash, train_hash).sum())
+            shared = int(candidates.sum())
             raise DataError(f"{eval_name} repeats blocks of {train_name} (block {row}, and up to {shared} in all): "
                             "held-out data must not be trained on; give an eval set disjoint from the training data")
