@@ -13,8 +13,10 @@ Specification:
 Tolerance: inductor fuses elementwise chains and reorders fp32 reductions, so values differ from
 eager ones by a few ulps (relative ~1e-6). One SGD step (lr 0.5) carries such gradient differences
 into the weights at ~lr × 1e-6; the bounds below (2e-5 on losses and gradients relative to their
-largest entry, 1e-5 absolute on weights after 5 steps) leave a margin of ~10× over what is seen and
-fail on any real difference, such as a gradient taken on the wrong weight version (~1e-2).
+largest entry, 1e-5 absolute on weights after 5 steps, 2e-6 on pipeline losses of ~4.9, i.e. 4 fp32
+ulps) leave margins of 4–10× over what is seen (≤ 2.3e-6 on gradients, ≤ 2.3e-6 on weights, 3.6e-7
+on losses) and fail on any real difference, such as a gradient taken on the wrong weight version
+(~1e-2).
 """
 
 from __future__ import annotations
@@ -132,4 +134,4 @@ def _pipeline(rank, world_size, schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream-2bw"])
 def test_pipelines_with_compiled_layers_train_to_the_eager_losses_and_weights(schedule):
     for report in run_ranks(2, _pipeline, schedule):
-        assert report["weights"] <= 1e-5 and report["losses"] <= TOL, report
+        assert report["weights"] <= 1e-5 and report["losses"] <= 2e-6, report
