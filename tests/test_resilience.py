@@ -389,8 +389,8 @@ def test_two_nodes_lose_one_and_the_requeued_job_resumes_from_its_latest_checkpo
         survivors = psutil.Process(first.pid).children(recursive=True)
         _kill_node(second)
         lost = time.time()
-        output, _ = first.communicate(timeout=timeout_s + 120)
-        assert first.returncode != 0 and time.time() - lost < timeout_s + 120, output[-3000:]
+        output, _ = first.communicate(timeout=timeout_s + 30)  # seen: 1.3 s
+        assert first.returncode != 0 and time.time() - lost < timeout_s + 30, output[-3000:]
         # Its rank saw the lost peer, or its launcher lost the rendezvous the other node hosted first.
         assert re.search("lost contact with the other ranks|connection to the C10d store has failed", output)
         assert not psutil.wait_procs(survivors, timeout=30)[1], "a rank outlived its node's launcher"
