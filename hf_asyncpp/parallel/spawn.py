@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 from .mesh import free_port
 
@@ -82,6 +83,8 @@ def _serve(tasks, results) -> None:
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         try:
             reply = (rank, "ok", target(rank, world_size, *args))
+            # Pickled here, as the queue will: a reply its feeder thread fails to pickle never arrives.
+            ForkingPickler.dumps(reply)
         except BaseException:  # report everything, including assertion errors, to the parent
             reply = (rank, "error", traceback.format_exc())
         left_a_group = dist.is_initialized()
