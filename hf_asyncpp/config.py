@@ -59,6 +59,7 @@ class TrainConfig:
     emulate_pp_size: int = 0  # asynchronous schedule on one process: the depth it emulates (0: 1)
     fsdp: bool = True  # shard parameters, gradients, optimizer state, weight versions, EF over dp
     mixed_precision: str = "auto"  # forward/backward dtype: auto (bf16 on GPUs) / bf16 / no
+    grad_reduce_dtype: str = "fp32"  # dtype gradients are averaged over dp in: fp32 / compute (bf16 compute: half the bytes)
     activation_checkpointing: str = "none"  # recompute activations in the backward: none / full (layers) / selective (MLP/MoE)
     compile_layers: bool = False  # torch.compile each decoder layer (models/compile.py)
     # optimization
@@ -272,6 +273,8 @@ def check_settings(config: TrainConfig, world_size: int):
              + ", ".join(CHECKPOINTING_MODES))
     _require(config.mixed_precision in ("auto", "bf16", "no"),
              f"unknown mixed_precision '{config.mixed_precision}'; choose auto, bf16 or no")
+    _require(config.grad_reduce_dtype in ("fp32", "compute"),
+             f"unknown grad_reduce_dtype '{config.grad_reduce_dtype}'; choose fp32 or compute")
     _require(config.fsdp or config.mixed_precision != "bf16",
              "mixed_precision bf16 is applied by FSDP2: set fsdp to true (or mixed_precision to no)")
     _require(config.soap_precondition_frequency >= 1,

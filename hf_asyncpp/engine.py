@@ -32,7 +32,7 @@ from .models.recompute import apply_activation_checkpointing
 from .models.pipeline_loss import PipelineLoss
 from .optim import optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
-from .parallel.fsdp import compute_dtype, fully_shard_stage, shard_parameters
+from .parallel.fsdp import compute_dtype, fully_shard_stage, reduce_dtype, shard_parameters, unshard_parameters
 from .parallel.mesh import ParallelLayout, broadcast_from_first_replica
 from .resilience import NonFiniteGuard, TerminationRequest
 from .schedules import ScheduleError, build_schedule, get_schedule_spec
@@ -83,10 +83,17 @@ class PipelineEngine:
         n_stages = self.spec.n_stages(depth)
         self.plan = plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
         self.stage_ids = list(range(n_stages)) if emulating else self.spec.stage_indices(layout.pp_size, layout.pp_rank)
+        # FSDP2 over dp (parallel/fsdp.py): parameters, gradients, optimizer state, weight versions
+        # and EF buffers hold 1/dp each. At dp 1 it still provides the bf16 compute policy.
+        dtype = None if emulating else compute_dtype(config.mixed_precision, layout.device)
+        reduce = reduce_dtype(config.grad_reduce_dtype, dtype)
+        self.fsdp_managed = config.fsdp and not emulating and (layout.dp_size > 1 or dtype is not None)
         if model is None and (not config.init_from or has_safetensors(config.init_from)):
-            # Only this rank's stages are allocated, and only their tensors of init_from read.
+            # Only this rank's stages are allocated, and only their tensors of init_from read: when
+            # sharded over dp, only this replica's rows of them.
+            read_rows = self.fsdp_managed and layout.dp_size > 1 and config.init_from
             self.modules = build_stages(model_config, self.plan, self.stage_ids, layout.device, config.seed,
-                                        config.init_from)
+                                        config.init_from, layout.mesh["dp"] if read_rows else None)
         else:  # a model given (the Trainer's, tests'), or a checkpoint without safetensors
             given = model is not None
             model = model if given else build_full_model(config, model_config)
@@ -100,15 +107,15 @@ class PipelineEngine:
             apply_activation_checkpointing(module, config.activation_checkpointing)
         self.holds_first_stage = 0 in self.stage_ids
         self.holds_last_stage = n_stages - 1 in self.stage_ids
-        # FSDP2 over dp (parallel/fsdp.py): parameters, gradients, optimizer state, weight versions
-        # and EF buffers hold 1/dp each. At dp 1 it still provides the bf16 compute policy.
-        dtype = None if emulating else compute_dtype(config.mixed_precision, layout.device)
-        self.fsdp_managed = config.fsdp and not emulating and (layout.dp_size > 1 or dtype is not None)
         if self.fsdp_managed:
             dp_mesh = layout.mesh["dp"]
             for module in self.modules:
-                # Weight stashing needs one gathered copy per version; fully_shard keeps just one.
-                shard_parameters(module, dp_mesh) if order else fully_shard_stage(module, dp_mesh, dtype)
+                # Weight stashing needs one gathered copy per version; fully_shard keeps just one
+                # (and takes whole parameters: the rows read are gathered once).
+                if order:
+                    shard_parameters(module, dp_mesh)
+                else:
+                    fully_shard_stage(unshard_parameters(module), dp_mesh, dtype, reduce)
         self.loss_fn = PipelineLoss(model_config.vocab_size, getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
         self.params = [p for module in self.modules for p in module.parameters()]
         # What steps together: each stage on its own for asynchronous schedules (stages update at
@@ -121,7 +128,8 @@ class PipelineEngine:
         ]
         # Asynchronous pipeline: microbatches bound to stashed weight versions (weight_versions.py).
         self.versioned = (
-            [VersionedStage(mod, order.n_buffers(s, depth, m), dtype) for mod, s in zip(self.modules, self.stage_ids)]
+            [VersionedStage(mod, order.n_buffers(s, depth, m), dtype, reduce)
+             for mod, s in zip(self.modules, self.stage_ids)]
             if order and not emulating else []
         )
         self.stages = [] if emulating else [

@@ -61,6 +61,7 @@ BAD_INPUTS = {
                                  "muon_adamw_patterns: '\\(unclosed' is not a regular expression"),
     "bf16 without FSDP": (["--mixed_precision", "bf16", "--fsdp", "false"], 2, "mixed_precision bf16 is applied by FSDP2"),
     "unknown precision": (["--mixed_precision", "fp8"], 2, "unknown mixed_precision 'fp8'; choose auto, bf16 or no"),
+    "unknown reduction dtype": (["--grad_reduce_dtype", "fp16"], 2, "unknown grad_reduce_dtype 'fp16'; choose fp32 or compute"),
     "unknown checkpointing": (["--activation_checkpointing", "some"], 2,
                               "unknown activation_checkpointing 'some'; choose none, full, selective"),
     "checkpoints of WPipe": (["--schedule", "wpipe", "--save_steps", "10", "--model_config", "tiny-mixtral"], 2,

@@ -11,8 +11,11 @@ the stages. The same seed draws different numbers on CPU and on CUDA (different 
 With `init_from` (an HF model directory of safetensors, one file or sharded with an index), the
 stages are then loaded by transformers' own loader (`convert_and_load_state_dict_in_model`, which
 applies the model type's checkpoint conversions, e.g. per-expert tensors fused into one) into a copy
-of the model pruned to this rank's stages: tensors of other stages are never read. The loader is a
-private transformers API, pinned with transformers and covered by tests/models/test_construct.py.
+of the model pruned to this rank's stages: tensors of other stages are never read. When the stages
+will be row-sharded over dp replicas (`dp_mesh`), their parameters are sharded before loading, and the
+loader reads only this replica's rows of each tensor (for per-expert checkpoint tensors: only its
+experts) — transformers' shard-on-read for DTensor parameters. The loader is a private transformers
+API, pinned with transformers and covered by tests/models/test_construct.py.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.modeling_utils import LoadStateDictConfig
 
+from ..parallel.fsdp import shard_parameters
 from .split import StagePlan, build_stage_modules, foreign_modules
 from .stage import PipelineStageModule
 
@@ -73,14 +77,18 @@ def _initialize(causal_lm: nn.Module, seed: int) -> None:
 
 
 def build_stages(model_config, plan: StagePlan, stage_indices: list[int], device: torch.device | str,
-                 seed: int, init_from: str | None = None) -> list[PipelineStageModule]:
+                 seed: int, init_from: str | None = None, dp_mesh=None) -> list[PipelineStageModule]:
     """Stages `stage_indices` of `plan`, allocated on `device` only, initialized from `seed`, then
-    loaded from the safetensors of `init_from` when given."""
+    loaded from the safetensors of `init_from` when given. With `dp_mesh`, the stages' parameters
+    come back row-sharded over it (`shard_parameters`), and only this replica's rows were read."""
     causal_lm = meta_model(model_config)
     stages = build_stage_modules(causal_lm, plan, stage_indices)
     for stage in stages:  # modules shared by stages (rotary embeddings) are materialized once more: harmless
         stage.to_empty(device=device)
     _initialize(causal_lm, seed)
+    if dp_mesh is not None:  # the stages' modules are the pruned model's: the loader sees the shards
+        for stage in stages:
+            shard_parameters(stage, dp_mesh)
     if init_from is not None:
         _prune(causal_lm, plan, stage_indices)
         _load(causal_lm, init_from, device)
@@ -115,11 +123,15 @@ def _prune(causal_lm: nn.Module, plan: StagePlan, stage_indices: list[int]) -> N
 
 
 class _TensorInFile:
-    """A checkpoint tensor read only when the loader indexes it (`tensor[...]`), as safetensors
-    slices are; the loader never indexes the tensors of modules the pruned model does not hold."""
+    """A checkpoint tensor read only when the loader indexes it (`tensor[...]`, or the rows of a
+    DTensor parameter's shard), as safetensors slices are; the loader never indexes the tensors of
+    modules the pruned model does not hold."""
 
     def __init__(self, file, key: str):
         self.file, self.key = file, key  # `file`: the open safetensors file (its header parsed once)
+
+    def get_shape(self) -> list[int]:
+        return self.file.get_slice(self.key).get_shape()
 
     def __getitem__(self, index):
         return self.file.get_slice(self.key)[index]

@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-__all__ = ["compute_dtype", "fully_shard_stage", "gather_whole", "keeps_fp32", "reduce_scatter_rows",
-           "shard_parameters"]
+__all__ = ["compute_dtype", "fully_shard_stage", "gather_whole", "keeps_fp32", "reduce_dtype",
+           "reduce_scatter_rows", "shard_parameters", "unshard_parameters"]
 
 _DTYPES = {"no": None, "bf16": torch.bfloat16}
 
@@ -45,10 +45,18 @@ def keeps_fp32(name: str, patterns: tuple[str, ...]) -> bool:
     return any(name.endswith(p) or module.endswith(p) for p in patterns)
 
 
-def fully_shard_stage(stage: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype | None = None) -> nn.Module:
-    """FSDP2 per decoder layer and on the stage root; gradients are reduced in fp32. Modules whose
-    parameters the model keeps in fp32 get their own FSDP unit with an fp32 policy."""
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+def reduce_dtype(grad_reduce_dtype: str, compute: torch.dtype | None) -> torch.dtype:
+    """The dtype gradients are averaged over dp in (`grad_reduce_dtype`). fp32 by default: each
+    replica's sum over its microbatches is fp32 already, and rounding it to bf16 before averaging adds
+    an error of bf16 compute's own size to every update; "compute" halves the bytes moved."""
+    return compute if grad_reduce_dtype == "compute" and compute is not None else torch.float32
+
+
+def fully_shard_stage(stage: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype | None = None,
+                      reduce: torch.dtype = torch.float32) -> nn.Module:
+    """FSDP2 per decoder layer and on the stage root; gradients are reduced in `reduce` (`reduce_dtype`).
+    Modules whose parameters the model keeps in fp32 get their own FSDP unit with an fp32 policy."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce if dtype else None)
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for layer in stage.model.layers.values():
         if dtype is not None:
@@ -64,12 +72,27 @@ def fully_shard_stage(stage: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype 
 @torch.no_grad()
 def shard_parameters(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """Replace each parameter by a DTensor holding this rank's rows (Shard(0); 0-d ones replicated).
-    Every rank holds the same full values before, so no data moves (src_data_rank=None)."""
+    Every rank holds the same full values before, so no data moves (src_data_rank=None). Parameters
+    that are DTensors already (loaded as shards) stay as they are."""
     for submodule in module.modules():
         for name, param in list(submodule.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
             placements = [Shard(0)] if param.ndim > 0 else [Replicate()]
             sharded = distribute_tensor(param.detach(), dp_mesh, placements, src_data_rank=None)
             setattr(submodule, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    return module
+
+
+@torch.no_grad()
+def unshard_parameters(module: nn.Module) -> nn.Module:
+    """The inverse of `shard_parameters`: every DTensor parameter made whole again (bucketed
+    all-gathers), as `fully_shard` wants its parameters."""
+    sharded = {name: p for name, p in module.named_parameters() if isinstance(p, DTensor)}
+    for name, whole in gather_whole(sharded, lambda _, t: t.dtype).items():
+        owner, _, attr = name.rpartition(".")
+        param = sharded[name]
+        setattr(module.get_submodule(owner), attr, nn.Parameter(whole, requires_grad=param.requires_grad))
     return module
 
 
@@ -96,16 +119,20 @@ def gather_whole(tensors: dict[str, torch.Tensor], dtype_of: Callable[[str, torc
 
 
 @torch.no_grad()
-def reduce_scatter_rows(sums: dict[str, torch.Tensor], like: dict[str, DTensor], scale: float
-                        ) -> dict[str, DTensor]:
+def reduce_scatter_rows(sums: dict[str, torch.Tensor], like: dict[str, DTensor], scale: float,
+                        dtype_of: Callable[[str], torch.dtype] = lambda _: torch.float32) -> dict[str, DTensor]:
     """Gradients of the sharded parameters `like`: scale × the average over dp of each replica's whole
-    `sums[name]`, as DTensors placed like `like[name]`. Reduced in fp32 whatever the compute dtype
-    (as the synchronous stages' FSDP2 policy does), by buckets of about BUCKET_BYTES, one
-    reduce-scatter each. Row shards only; anything else is all-reduced by DTensor."""
+    `sums[name]`, as fp32 DTensors placed like `like[name]`. Reduced in `dtype_of(name)` (fp32 unless
+    `reduce_dtype` says otherwise, as the synchronous stages' FSDP2 policy), by dtype in buckets of
+    about BUCKET_BYTES, one reduce-scatter each. Row shards only; anything else is all-reduced by DTensor."""
     reduced: dict[str, DTensor] = {}
-    rows = [(n, like[n]) for n in sums if _is_row_shard(like[n])]
-    for bucket in _buckets(rows, torch.float32):
-        reduced.update(_reduce_scatter_rows(bucket, sums, scale))
+    by_dtype: dict[torch.dtype, list[tuple[str, DTensor]]] = {}
+    for name in sums:
+        if _is_row_shard(like[name]):
+            by_dtype.setdefault(dtype_of(name), []).append((name, like[name]))
+    for dtype, rows in by_dtype.items():
+        for bucket in _buckets(rows, dtype):
+            reduced.update(_reduce_scatter_rows(bucket, sums, scale, dtype))
     for name in sums:
         if name not in reduced:  # replicated (0-d): an all-reduce
             param = like[name]
@@ -166,21 +193,21 @@ def _gather_rows(sharded: list[tuple[str, DTensor]], dtype: torch.dtype) -> dict
     return whole
 
 
-def _reduce_scatter_rows(sharded: list[tuple[str, DTensor]], sums: dict[str, torch.Tensor], scale: float
-                         ) -> dict[str, DTensor]:
-    """One reduce-scatter: every replica lays its whole fp32 tensors out as dp blocks of padded rows
-    (block i: each tensor's rows [i·r, (i+1)·r)), and block i's sum over dp arrives at rank i."""
+def _reduce_scatter_rows(sharded: list[tuple[str, DTensor]], sums: dict[str, torch.Tensor], scale: float,
+                         dtype: torch.dtype) -> dict[str, DTensor]:
+    """One reduce-scatter in `dtype`: every replica lays its whole tensors out as dp blocks of padded
+    rows (block i: each tensor's rows [i·r, (i+1)·r)), and block i's sum over dp arrives at rank i."""
     mesh = sharded[0][1].device_mesh
     dp, me = mesh.size(), mesh.get_local_rank()
     blocks = []
     for name, tensor in sharded:
         r, per_row = _padded_rows(tensor)
-        flat = sums[name].detach().float().reshape(-1)
+        flat = sums[name].detach().to(dtype).reshape(-1)
         blocks.append(torch.nn.functional.pad(flat, (0, (dp * r - tensor.shape[0]) * per_row)).view(dp, -1))
     everyone = torch.cat(blocks, dim=1).reshape(-1)
-    mine = torch.empty(everyone.numel() // dp, dtype=torch.float32, device=everyone.device)
+    mine = torch.empty(everyone.numel() // dp, dtype=dtype, device=everyone.device)
     dist.reduce_scatter_single(mine, everyone, group=mesh.get_group())
-    mine.mul_(scale / dp)
+    mine = mine.float().mul_(scale / dp)
     reduced, offset = {}, 0
     for name, tensor in sharded:
         r, per_row = _padded_rows(tensor)

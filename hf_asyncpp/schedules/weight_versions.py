@@ -20,8 +20,9 @@ Unsharded fp32 stages compute on the buffers themselves. When the stage is shard
 master and the buffers are DTensors holding 1/dp of the rows, parallel/fsdp.py) or computes in
 bf16, a buffer's compute copy is cast and gathered at its first forward (one all-gather per dtype,
 parallel/fsdp.gather_whole), kept while microbatches use it, dropped when the buffer is overwritten;
-its accumulated gradient is reduce-scattered in fp32 and averaged over dp on its way to the master,
-bucketed like the gathers (what FSDP2 does with reshard_after_forward=False and an fp32 reduce_dtype).
+its accumulated gradient is reduce-scattered (in fp32, or the compute dtype: `grad_reduce_dtype`) and
+averaged over dp on its way to the master, bucketed like the gathers (what FSDP2 does with
+reshard_after_forward=False and the same reduce_dtype).
 
 Persistent buffers that training changes (DeepSeek-V3's routing biases, updated with the weights:
 models/routing_bias.py) are versioned with the weights: each version buffer holds them beside the
@@ -52,10 +53,11 @@ MASTER = "master"  # binding of `VersionedStage.active` to the master weights (e
 class VersionedStage(nn.Module):
     """Runs `inner` on version buffer `active` (an index), or on the master weights (`MASTER`)."""
 
-    def __init__(self, inner: nn.Module, n_buffers: int, compute_dtype: torch.dtype | None = None):
+    def __init__(self, inner: nn.Module, n_buffers: int, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.inner = inner
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self._fp32_patterns = tuple(getattr(inner, "fp32_patterns", ()))
         self._trainable = {n: p.requires_grad for n, p in inner.named_parameters()}
         buffers = dict(inner.named_buffers())
@@ -152,7 +154,7 @@ class VersionedStage(nn.Module):
     @torch.no_grad()
     def move_gradients_to_master(self, buffer: int, scale: float) -> None:
         """master.grad = scale × the gradient accumulated on `buffer` (averaged over dp when sharded:
-        bucketed fp32 reduce-scatters, parallel/fsdp.reduce_scatter_rows); the buffer's gradient and
+        bucketed reduce-scatters, parallel/fsdp.reduce_scatter_rows); the buffer's gradient and
         its fp32 sums are cleared."""
         computed, sums = self.compute_copy(buffer), self._grad_sums[buffer]
         params = dict(self.inner.named_parameters())
@@ -167,8 +169,9 @@ class VersionedStage(nn.Module):
                 accumulated[name] = grad
         sums.clear()
         sharded = {n: g for n, g in accumulated.items() if isinstance(params[n], DTensor)}
-        if sharded:
-            accumulated.update(reduce_scatter_rows(sharded, params, scale))
+        if sharded:  # what the model keeps in fp32 is reduced in fp32 too
+            dtype_of = lambda name: torch.float32 if keeps_fp32(name, self._fp32_patterns) else self.reduce_dtype
+            accumulated.update(reduce_scatter_rows(sharded, params, scale, dtype_of))
         for name, grad in accumulated.items():
             # unsharded: the fp32 sum itself, no copy
             params[name].grad = grad if name in sharded else grad.to(params[name].dtype).mul_(scale)

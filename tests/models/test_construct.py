@@ -129,3 +129,70 @@ def test_init_from_refuses_a_checkpoint_that_lacks_a_stage_tensor(tmp_path):
     build_stages(config, plan, [0], "cpu", seed=0, init_from=str(tmp_path))  # stage 0 has what it needs
     with pytest.raises(ValueError, match=r"missing: \['model.layers.2.self_attn.q_proj.weight'\]"):
         build_stages(config, plan, [1], "cpu", seed=0, init_from=str(tmp_path))
+
+
+def _load_rows_on_each_replica(rank, world_size, directory, preset):
+    """Each stage of a 2-stage plan built by this dp replica with `dp_mesh`: {stage: (its local
+    tensors, whole buffers, bytes read)}."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from hf_asyncpp.models import construct
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+    from tests.test_engine import small_model_config
+
+    init_parallel(read_launch(), 1)
+    read = {"bytes": 0}
+    original = construct._TensorInFile.__getitem__
+
+    def counting(self, index):
+        tensor = original(self, index)
+        read["bytes"] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    construct._TensorInFile.__getitem__ = counting
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        config = small_model_config(preset)
+        plan = plan_stages(config, 2)
+        out = {}
+        for s in range(2):
+            read["bytes"] = 0
+            (stage,) = build_stages(config, plan, [s], "cpu", seed=0, init_from=directory, dp_mesh=mesh)
+            params = {n: p.to_local().detach().clone() for n, p in stage.named_parameters()}
+            assert all(isinstance(p, DTensor) for p in stage.parameters())
+            out[s] = (params, {n: b.clone() for n, b in stage.named_buffers()}, read["bytes"])
+        return out
+    finally:
+        construct._TensorInFile.__getitem__ = original
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("preset,shard", [("tiny-mixtral", None), ("tiny-deepseek-v3", "60KB"), ("tiny-gpt-oss", None)])
+def test_a_sharded_replica_reads_only_the_rows_it_keeps(tmp_path, preset, shard):
+    """Stages built for row-sharding over 2 dp replicas (`dp_mesh`) come back holding this replica's
+    Shard(0) rows of from_pretrained's weights bit for bit — per-expert checkpoint tensors fused,
+    already-fused expert tensors and dense ones alike — with whole buffers, and each replica reads
+    about half the stage's bytes: its rows, plus whole the tensors sharding replicates (0-d)."""
+    from tests.ranks import run_ranks
+
+    config = small_model_config(preset)
+    build_model(config, seed=5).save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    expected = dict(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict())
+    replicas = run_ranks(2, _load_rows_on_each_replica, str(tmp_path), preset)
+    for s in range(2):
+        params = replicas[0][s][0]
+        whole_bytes = sum(expected[n].numel() * expected[n].element_size() for n in params)
+        for rank, replica in enumerate(replicas):
+            local, buffers, read_bytes = replica[s]
+            for name, tensor in local.items():
+                rows = expected[name] if expected[name].ndim == 0 else torch.chunk(expected[name], 2)[rank]
+                assert torch.equal(tensor, rows), f"stage {s}, rank {rank}: {name}"
+            for name, buffer in buffers.items():
+                if name in expected:
+                    assert torch.equal(buffer, expected[name]), f"stage {s}, rank {rank}: buffer {name}"
+            # Odd row counts give rank 0 the larger half: at most one row more per tensor.
+            assert read_bytes <= 0.5 * whole_bytes * 1.15, (s, rank, read_bytes, whole_bytes)
+        assert sum(r[s][2] for r in replicas) <= whole_bytes * 1.05, "the replicas together read about one copy"

@@ -95,6 +95,45 @@ def test_pipedream_2bw_stage_sharded_over_two_replicas_equals_unsharded():
     _check(run_ranks(4, _sharded_vs_unsharded, 2, "tiny-mixtral", "pipedream-2bw", ["adamw", "muon"]))
 
 
+def _started_from(rank, world_size, pp_size, preset, schedule, init_from):
+    """This rank's stages as a sharded engine starting from `init_from` holds them (whole), and
+    whether every parameter is a row shard."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), pp_size)
+    try:
+        config = TrainConfig(model_config=preset, pp_size=pp_size, schedule=schedule, seq_len=SEQ, micro_batch_size=MBS,
+                             n_microbatches=M, seed=4, init_from=init_from)
+        engine = PipelineEngine(config, small_model_config(preset), layout)
+        return engine.stage_state_dict(), all(isinstance(p, DTensor) for p in engine.params)
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size,pp_size,schedule", [(2, 1, "gpipe"), (4, 2, "pipedream-2bw")])
+def test_a_sharded_engine_starts_from_init_from_exactly(tmp_path, world_size, pp_size, schedule):
+    """Each dp replica reads only its rows of init_from (tests/models/test_construct.py); the stages
+    it then trains on — FSDP2's (the rows gathered once, then sharded by fully_shard) or the weight
+    versions' row shards — hold from_pretrained's weights bit for bit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_asyncpp.models.construct import build_model
+
+    build_model(small_model_config("tiny-mixtral"), seed=5).save_pretrained(tmp_path)
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    for state, sharded in run_ranks(world_size, _started_from, pp_size, "tiny-mixtral", schedule, str(tmp_path)):
+        assert sharded and state
+        for name, tensor in state.items():
+            assert torch.equal(tensor, expected[name]), name
+
+
 def _bytes_after_training(rank, world_size, pp_size, schedule):
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
@@ -120,18 +159,25 @@ def test_optimizer_state_ef_buffers_and_weight_versions_shrink_as_one_over_dp():
 
 
 def _bf16_vs_fp32(rank, world_size, pp_size, schedule):
+    import torch
+
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
 
     layout = init_parallel(read_launch(), pp_size)
     try:
         reference, ref_losses, _ = _train(layout, "tiny-qwen3-moe", schedule, "adamw", fsdp=True)
-        state, losses, _ = _train(layout, "tiny-qwen3-moe", schedule, "adamw", fsdp=True, mixed_precision="bf16")
-        return dict(
-            loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            param_diff=max((state[n] - reference[n]).abs().max().item() for n in reference),
-            master_dtypes={str(t.dtype) for t in state.values()},
-        )
+        report = {}
+        for reduce in ("fp32", "compute"):
+            state, losses, _ = _train(layout, "tiny-qwen3-moe", schedule, "adamw", fsdp=True, mixed_precision="bf16",
+                                      grad_reduce_dtype=reduce)
+            report[reduce] = dict(
+                loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                param_diff=max((state[n] - reference[n]).abs().max().item() for n in reference),
+                master_dtypes={str(t.dtype) for t in state.values()}, state=state)
+        fp32_reduced, bf16_reduced = (report[r].pop("state") for r in ("fp32", "compute"))
+        report["compute"]["differs"] = any(not torch.equal(fp32_reduced[n], bf16_reduced[n]) for n in fp32_reduced)
+        return report
     finally:
         shutdown_parallel()
 
@@ -142,11 +188,15 @@ def test_bf16_compute_keeps_fp32_master_weights_and_tracks_the_fp32_run(pp_size,
     """bf16 forward/backward (fully_shard's MixedPrecisionPolicy, or bf16 compute copies of the weight
     versions) on 2 dp replicas: the master weights stay fp32, and 5 AdamW steps stay close to the fp32
     run. bf16 keeps 8 mantissa bits, so a loss of ~5 differs by a few 1e-2 and an AdamW step (~lr per
-    entry, sign-like) can flip where a gradient entry is near 0: bounds 0.05 (loss) and 5·2·lr (weights)."""
-    for row in run_ranks(2 * pp_size, _bf16_vs_fp32, pp_size, schedule):
-        assert row["master_dtypes"] == {"torch.float32"}, row
-        assert 0 < row["loss_diff"] < 0.05, row  # > 0: the compute really ran in bf16
-        assert row["param_diff"] < STEPS * 2 * LR["adamw"], row
+    entry, sign-like) can flip where a gradient entry is near 0: bounds 0.05 (loss) and 5·2·lr (weights).
+    The same holds with gradients averaged over dp in bf16 (grad_reduce_dtype: compute), which really
+    changes the result (one more bf16 rounding of each replica's sum)."""
+    for report in run_ranks(2 * pp_size, _bf16_vs_fp32, pp_size, schedule):
+        for row in report.values():
+            assert row["master_dtypes"] == {"torch.float32"}, row
+            assert 0 < row["loss_diff"] < 0.05, row  # > 0: the compute really ran in bf16
+            assert row["param_diff"] < STEPS * 2 * LR["adamw"], row
+        assert report["compute"]["differs"], report
 
 
 def _dtypes_seen_in_forward(rank, world_size, pp_size, schedule):
@@ -276,6 +326,19 @@ def _reduced_vs_summed(rank, world_size):
                 placed={n: reduced[n].placements == like[n].placements and reduced[n].shape == like[n].shape
                         and reduced[n].to_local().shape == like[n].to_local().shape for n in shapes},
                 dtypes={str(t.dtype) for t in reduced.values()}, collectives=len(calls))
+        # In bf16 (grad_reduce_dtype: compute), but "vector" in fp32 (as a parameter the model keeps in
+        # fp32): each replica's sum rounded to bf16, added (exactly, in fp32, then rounded once to bf16 —
+        # what a bf16 sum of two values is), then scaled in fp32.
+        fsdp.BUCKET_BYTES, calls[:] = original_cap, []
+        dtype_of = lambda n: torch.float32 if n == "vector" else torch.bfloat16
+        in_bf16 = {n: (sum(g[n].to(dtype_of(n)).float() for g in every_rank).to(dtype_of(n)).float()
+                       * (0.5 / world_size)) for n in shapes}
+        reduced = fsdp.reduce_scatter_rows({n: t.clone() for n, t in every_rank[rank].items()}, like, 0.5, dtype_of)
+        reports["bf16"] = dict(
+            equal={n: bool(torch.equal(reduced[n].full_tensor(), in_bf16[n])) for n in shapes if n != "scalar"},
+            placed={n: reduced[n].placements == like[n].placements for n in shapes},
+            dtypes={str(t.dtype) for t in reduced.values()}, collectives=len(calls),
+            differs_from_fp32=any(not torch.equal(in_bf16[n], expected[n]) for n in ("uneven", "stack")))
         return reports
     finally:
         dist.reduce_scatter_single, fsdp.BUCKET_BYTES = original, original_cap
@@ -288,12 +351,15 @@ def test_a_versions_gradients_are_averaged_over_dp_in_fp32_with_one_reduce_scatt
     of every replica's whole gradient, scaled and averaged, then cut into the parameter's row shards —
     bit for bit, since with dp = 2 a sum of two values does not depend on its order and ÷2 is exact —
     for uneven and empty row shards, 1-D to 3-D tensors and a replicated scalar (all-reduced). It
-    needs one reduce-scatter per bucket of about BUCKET_BYTES, not one per parameter."""
+    needs one reduce-scatter per bucket of about BUCKET_BYTES, not one per parameter. Reduced in bf16
+    (grad_reduce_dtype: compute) it equals the bf16 sum of the replicas' bf16-rounded sums, one
+    reduce-scatter per dtype; the result is fp32 either way (the master's gradient)."""
     for report in run_ranks(2, _reduced_vs_summed):
         for cap, row in report.items():
             assert all(row["equal"].values()) and all(row["placed"].values()), (cap, row)
             assert row["dtypes"] == {"torch.float32"}, row
-        whole_cap, small_cap = report.values()
+        whole_cap, small_cap, in_bf16 = report.values()
         assert whole_cap["collectives"] == 1
         # 15, 4, 6 and 24 fp32 values with buckets of 40 bytes: [uneven], [one_row, vector], [stack]
         assert small_cap["collectives"] == 3
+        assert in_bf16["collectives"] == 2 and in_bf16["differs_from_fp32"]  # one per dtype; bf16 rounds
