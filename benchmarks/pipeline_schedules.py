@@ -18,7 +18,11 @@ Measured per arm and rank:
     the step time no schedule can beat; the slowest rank's limit is the pipeline's ceiling. The slow rank's busy time
     over its limit's forward + backward shows what a schedule adds to compute (weight stashing, say):
     1.00 is nothing;
-  - peak resident memory of the rank's process (CPU; includes the ~0.5 GB of libraries).
+  - peak resident memory of the rank's process (CPU; includes the ~0.5 GB of libraries);
+  - what one step computes, counted rather than timed (one extra step after the measured ones, under
+    torch's FlopCounterMode and a dispatch mode counting aten ops): its FLOPs beside 1F1B's on the same
+    rank (1.000: the schedule adds no arithmetic) and the MB its `copy_` ops write (a weight-stashing
+    update copies the stage's master weights into the next version's buffer).
 Theoretical idle (p − 1)/(m + p − 1) is printed for reference: stages are unequal (the last carries
 lm_head and the loss), so the measured limit, not the formula, is the ceiling. With --rounds R every
 arm runs R times, arms alternating (drift in the machine's load then reaches every arm alike), and
@@ -97,6 +101,28 @@ def _bubble_free_ms(engine, rows, repeats: int, group) -> tuple[float, float]:
     return tuple(1e3 * statistics.mean(t[i] for t in times) for i in range(2))
 
 
+def _counted_step(engine, rows, next_rows) -> dict:
+    """One training step with its arithmetic counted: FLOPs (matmuls, attention) and the bytes
+    `aten.copy_` writes."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class CopiedBytes(TorchDispatchMode):
+        copied = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket is torch.ops.aten.copy_:
+                self.copied += out.numel() * out.element_size()
+            return out
+
+    flops, copies = FlopCounterMode(display=False), CopiedBytes()
+    with flops, copies:
+        engine.train_step(rows, next_rows)
+    return dict(flops=flops.get_total_flops(), copied_mb=copies.copied / 2**20)
+
+
 def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
     import torch
     from hf_asyncpp.config import TrainConfig
@@ -111,7 +137,8 @@ def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
         from hf_asyncpp.schedules import get_schedule_spec
 
         synchronous = get_schedule_spec(schedule).synchronous
-        total = args.warmup + args.steps + (0 if synchronous else 1)  # + the draining step
+        counted = args.warmup + args.steps  # the step whose arithmetic is counted
+        total = counted + 1 + (0 if synchronous else 1)  # + the draining step
         config = TrainConfig(model_config=args.model, pp_size=PP, schedule=schedule, n_microbatches=m,
                              micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, optimizer="adamw", learning_rate=1e-3,
                              lr_scheduler_type="constant", max_steps=total, seed=0)
@@ -119,15 +146,19 @@ def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
         gen = torch.Generator().manual_seed(1234)
         rows = [torch.randint(0, model_config.vocab_size, (m * args.micro_batch_size, args.seq_len), generator=gen)
                 for _ in range(total)]
-        samples = []
+        samples, count = [], {}
         for step in range(total):
-            result = engine.train_step(rows[step], rows[step + 1] if step + 1 < total else None)
+            next_rows = rows[step + 1] if step + 1 < total else None
+            if step == counted:
+                count = _counted_step(engine, rows[step], next_rows)
+                continue
+            result = engine.train_step(rows[step], next_rows)
             if args.warmup <= step < args.warmup + args.steps:
                 samples.append((result.busy_s, result.step_time_s, result.tokens))
         engine.finish()
         compute_ms, optimizer_ms = _bubble_free_ms(engine, rows[0], args.steps, layout.pp_group)
         return dict(samples=samples, bubble_free_ms=compute_ms + optimizer_ms, compute_ms=compute_ms,
-                    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **count)
     finally:
         shutdown_parallel()
 
@@ -156,6 +187,8 @@ def _run_arm(args, schedule: str, m: int) -> dict:
         slow_rank_busy_over_limit=max((r["bubble_free_ms"], 1e3 * statistics.mean(b for b, _, _ in r["samples"])
                                        / r["compute_ms"]) for r in ranks)[1],
         peak_rss_mb_per_rank=[r["peak_rss_mb"] for r in ranks],
+        flops_per_rank=[r["flops"] for r in ranks],
+        copied_mb_per_rank=[r["copied_mb"] for r in ranks],
         theoretical_idle=theoretical_bubble(PP, m) if get_schedule_spec(schedule).synchronous else 0.0,
         raw_step_s=step_s,
     )
@@ -179,9 +212,10 @@ def _median_of_rounds(rounds: list[dict]) -> dict:
 def _print_table(results: list[dict]) -> None:
     base = {r["n_microbatches"]: r for r in results if r["schedule"] == "1f1b"}
     print("| schedule | m | step ms | tokens/s | vs 1f1b | bubble-free limit ms | step / limit | idle r0 | idle r1 "
-          "| busy ms r0 / r1 | busy vs 1f1b r0 / r1 | slow rank busy / limit | theor. idle | peak RSS MB r0 / r1 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    nan = dict(step_ms=float("nan"), busy_ms_per_rank=[float("nan")] * PP)
+          "| busy ms r0 / r1 | busy vs 1f1b r0 / r1 | slow rank busy / limit | FLOPs vs 1f1b r0 / r1 "
+          "| copied MB r0 / r1 | theor. idle | peak RSS MB r0 / r1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    nan = dict(step_ms=float("nan"), busy_ms_per_rank=[float("nan")] * PP, flops_per_rank=[float("nan")] * PP)
     for r in results:
         ref = base.get(r["n_microbatches"], nan)
         speedup = ref["step_ms"] / r["step_ms"]
@@ -189,9 +223,12 @@ def _print_table(results: list[dict]) -> None:
         busy0, busy1 = r["busy_ms_per_rank"]
         ratio0, ratio1 = (b / a for b, a in zip(r["busy_ms_per_rank"], ref["busy_ms_per_rank"]))
         rss0, rss1 = r["peak_rss_mb_per_rank"]
+        flops0, flops1 = (f / b for f, b in zip(r["flops_per_rank"], ref["flops_per_rank"]))
+        copied0, copied1 = r["copied_mb_per_rank"]
         print(f"| {r['schedule']} | {r['n_microbatches']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
               f"{speedup:.2f}× | {r['bubble_free_ms']:.0f} | {r['step_over_limit']:.3f} | {idle0:.3f} | {idle1:.3f} | "
               f"{busy0:.0f} / {busy1:.0f} | {ratio0:.3f} / {ratio1:.3f} | {r['slow_rank_busy_over_limit']:.3f} | "
+              f"{flops0:.3f} / {flops1:.3f} | {copied0:.1f} / {copied1:.1f} | "
               f"{r['theoretical_idle']:.3f} | {rss0:.0f} / {rss1:.0f} |")
 
 
