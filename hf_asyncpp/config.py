@@ -57,6 +57,7 @@ class TrainConfig:
     stage_balance: str = "compute"  # compute / params / layers
     stage_boundaries: list[int] | None = None  # first layer of each stage after the first
     emulate_pp_size: int = 0  # asynchronous schedule on one process: the depth it emulates (0: 1)
+    sync_steps: int = 0  # asynchronous schedules: the first N steps synchronous, then the schedule (sync start)
     fsdp: bool = True  # shard parameters, gradients, optimizer state, weight versions, EF over dp
     mixed_precision: str = "auto"  # forward/backward dtype: auto (bf16 on GPUs) / bf16 / no
     grad_reduce_dtype: str = "fp32"  # dtype gradients are averaged over dp in: fp32 / compute (bf16 compute: half the bytes)
@@ -223,8 +224,8 @@ def check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
                  "are not supported; run it on a pipeline (pp_size >= 2) or use save_final for an HF export")
     elif config.pp_size == 1:
         return
-    try:
-        replay_after(spec.order, config.pp_size, config.n_microbatches, 0, 2)
+    try:  # the boundary after the first asynchronous step (a sync start's steps hold nothing in flight)
+        replay_after(spec.order, config.pp_size, config.n_microbatches, config.sync_steps, config.sync_steps + 2)
     except ScheduleError as err:
         raise ConfigError(f"{purpose} are not supported for schedule '{spec.name}': {err}") from None
 
@@ -321,6 +322,13 @@ def check_settings(config: TrainConfig, world_size: int):
         spec = get_schedule_spec(config.schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _require(config.sync_steps >= 0, f"sync_steps must be >= 0, got {config.sync_steps}")
+    _require(not (config.sync_steps and spec.synchronous),
+             f"sync_steps makes the first steps of an asynchronous schedule synchronous; '{spec.name}' is "
+             "synchronous throughout: remove sync_steps or choose pipedream-2bw, pipedream or wpipe")
+    _require(config.sync_steps < config.max_steps,
+             f"sync_steps ({config.sync_steps}) must be below max_steps ({config.max_steps}): the run would "
+             "never switch to its asynchronous schedule")
     if config.save_steps or config.resume_from_checkpoint:
         check_step_boundaries(spec, config, "training checkpoints")
     if config.eval_steps:
@@ -339,7 +347,8 @@ def check_model_fits(config: TrainConfig, model_config) -> None:
     from .models import plan_stages
     from .schedules import get_schedule_spec
 
-    spec = get_schedule_spec(config.schedule)
+    # The order is checked across the switch of a sync start (two synchronous steps stand for any number).
+    spec = get_schedule_spec(config.schedule).starting_synchronously(min(config.sync_steps, 2))
     _require(config.emulate_pp_size >= 0, f"emulate_pp_size must be >= 0, got {config.emulate_pp_size}")
     emulating = spec.order is not None and config.pp_size == 1
     depth = max(config.emulate_pp_size, 1) if emulating else config.pp_size

@@ -36,6 +36,11 @@ class _DelayedRoutingBiases:
         self.counter = counter
         self.history = deque([self._current()], maxlen=delay + 1)
 
+    def restart(self) -> None:
+        """As StalenessEmulator.restart: the next unit routes with the current biases."""
+        self.history.clear()
+        self.history.append(self._current())
+
     def _current(self) -> list[torch.Tensor]:
         return [r.e_score_correction_bias.detach().clone() for r in self.counter.routers]
 
@@ -72,6 +77,7 @@ class EmulatedPipeline:
             for updater, delay in zip(updaters, delays)
         ]
         self.bias_rate, self.dp_group = router_bias_update_rate, dp_group
+        self.steps_run = 0
         self.biases = [
             _DelayedRoutingBiases(module.routing_load, delay) if getattr(module, "routing_load", None) else None
             for module, delay in zip(modules, delays)
@@ -92,14 +98,19 @@ class EmulatedPipeline:
         """One minibatch: forward/backward on each stage's stale version, then every stage's update
         (`apply_update(updater, emulator)`, which steps or skips through it and returns whether it
         applied it), once or after each microbatch, each followed by the stage's routing-bias update
-        when it ends the minibatch. Returns the weight-version age per stage."""
-        ages = {stage: emulator.version_age() for stage, emulator in zip(self.stage_ids, self.emulators)}
+        when it ends the minibatch. In a sync start's steps the emulators restart after every unit, so
+        the next starts from the current weights and the delays build up again from the switch.
+        Returns the weight-version age per stage."""
+        synchronous = self.order.synchronous_step(self.steps_run)
+        self.steps_run += 1
+        ages = dict.fromkeys(self.stage_ids, 0)  # per stage, the largest over the step's units (as the pipeline)
         units = [[mb] for mb in rows.chunk(self.m)] if self.order.per_microbatch_updates else [rows.chunk(self.m)]
         for biases in filter(None, self.biases):
             biases.counter.reset()  # count this minibatch's forwards only (not an evaluation's)
         for t, unit in enumerate(units):
-            for emulator in self.emulators:
+            for stage, emulator in zip(self.stage_ids, self.emulators):
                 emulator.zero_grad()
+                ages[stage] = max(ages[stage], emulator.version_age())
             with contextlib.ExitStack() as stack:
                 for emulator in self.emulators:
                     stack.enter_context(emulator.stale_weights())
@@ -111,4 +122,6 @@ class EmulatedPipeline:
                 applied = apply_update(updater, emulator)
                 if biases:
                     biases.after_unit(applied, t == len(units) - 1, self.m, self.bias_rate, self.dp_group)
+            for history in [*self.emulators, *filter(None, self.biases)] if synchronous else ():
+                history.restart()  # the next unit starts from the weights this one produced
         return ages

@@ -74,7 +74,7 @@ class _Updater:
 class PipelineEngine:
     def __init__(self, config: TrainConfig, model_config, layout: ParallelLayout, model: torch.nn.Module | None = None):
         self.config, self.layout = config, layout
-        self.spec = get_schedule_spec(config.schedule)
+        self.spec = get_schedule_spec(config.schedule).starting_synchronously(config.sync_steps)
         order, m = self.spec.order, config.n_microbatches
         # An asynchronous schedule on one rank is emulated: the stages it would have at depth
         # emulate_pp_size run in this process (emulation.py). Otherwise this rank's stages of a pipeline.
@@ -379,7 +379,8 @@ class PipelineEngine:
 
     def _units_end_at_step_boundaries(self) -> bool:
         try:
-            replay_after(self.spec.order, self.layout.pp_size, self.config.n_microbatches, 0, 2)
+            after = self.config.sync_steps  # the first asynchronous step's boundary
+            replay_after(self.spec.order, self.layout.pp_size, self.config.n_microbatches, after, after + 2)
             return True
         except ScheduleError:
             return False

@@ -75,6 +75,11 @@ BAD_INPUTS = {
         ["--schedule", "wpipe", "--eval_fraction", "0.1", "--eval_steps", "2"], 2,
         "evaluations during training .* are not supported for schedule 'wpipe'"),
     "negative save_steps": (["--save_steps", "-1"], 2, "save_steps must be >= 0"),
+    "sync start of a synchronous schedule": (["--schedule", "gpipe", "--sync_steps", "2"], 2,
+                                             "'gpipe' is synchronous throughout"),
+    "negative sync_steps": (["--schedule", "pipedream-2bw", "--sync_steps", "-1"], 2, "sync_steps must be >= 0"),
+    "sync_steps reaching max_steps": (["--schedule", "pipedream-2bw", "--sync_steps", "5", "--max_steps", "5"], 2,
+                                      "sync_steps \\(5\\) must be below max_steps \\(5\\)"),
     "resume from a directory that is not a checkpoint": (
         ["--resume_from_checkpoint", "/nonexistent/run/checkpoint-5"], 2, "is not a complete checkpoint"),
     "unknown non-finite policy": (["--nonfinite_policy", "ignore"], 2, "unknown nonfinite_policy 'ignore'"),

@@ -163,7 +163,8 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
                 state_file = staging / TRAINER_STATE
                 _write_json(state_file, dict(trainer_state, step=step, pp_size=layout.pp_size,
                                              dp_size=layout.dp_size, schedule=engine.spec.name,
-                                             n_microbatches=engine.config.n_microbatches))
+                                             n_microbatches=engine.config.n_microbatches,
+                                             sync_steps=engine.config.sync_steps))
                 files = {name: info for share in shares for name, info in share.items()}
                 files[TRAINER_STATE] = {"bytes": state_file.stat().st_size, "sha256": _digest(state_file)}
                 _write_json(staging / MANIFEST, dict(sorted(files.items())))  # last: marks the files complete
@@ -225,11 +226,13 @@ def load_checkpoint(engine, layout, path: Path) -> dict:
     trainer_state = verdict[0]
     verify_checksums(path, layout)
     if engine.versioned:  # in-flight state is replayed by the order: it must be the same order
-        saved = {k: trainer_state.get(k) for k in ("pp_size", "schedule", "n_microbatches")}
-        current = dict(pp_size=layout.pp_size, schedule=engine.spec.name, n_microbatches=engine.config.n_microbatches)
+        saved = {k: trainer_state.get(k, 0 if k == "sync_steps" else None)
+                 for k in ("pp_size", "schedule", "n_microbatches", "sync_steps")}
+        current = dict(pp_size=layout.pp_size, schedule=engine.spec.name, n_microbatches=engine.config.n_microbatches,
+                       sync_steps=engine.config.sync_steps)
         if saved != current:
             raise CheckpointError(f"checkpoint {path} was saved by an asynchronous run with {saved}; resuming it needs "
-                                  f"the same pp_size, schedule and n_microbatches (this run: {current})")
+                                  f"the same pp_size, schedule and n_microbatches, and sync_steps (this run: {current})")
     reader = FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     try:

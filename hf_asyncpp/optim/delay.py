@@ -63,6 +63,14 @@ class StalenessEmulator:
             for p, data in current.items():
                 p.data = data
 
+    def restart(self) -> None:
+        """Forget the older versions: the next unit's gradient is taken at the current weights, and
+        the delays build up again from here, as at the start of training (a sync start's steps)."""
+        for p, versions in self.history.items():
+            versions.clear()
+            versions.append(p.detach().clone())
+        self.units = 0
+
     def step(self) -> None:
         self.optimizer.step()
         self._count_unit()

@@ -34,6 +34,18 @@ class AsyncOrder:
         """Updates between the version a gradient is taken at and the weights it is applied to."""
         raise NotImplementedError
 
+    def delay_at(self, stage: int, pp_size: int, j: int, n_microbatches: int) -> int:
+        """The delay of microbatch j's gradient (the order's delay, 0 in a sync start's steps)."""
+        return self.delay(stage, pp_size, n_microbatches)
+
+    def first_version(self, j: int, n_microbatches: int) -> int:
+        """The version the delayed rule counts from for microbatch j: 0, or where a sync start ends."""
+        return 0
+
+    def synchronous_step(self, step: int) -> bool:
+        """Whether step `step` runs synchronously (a sync start's first steps, schedules/sync_start.py)."""
+        return False
+
     def n_buffers(self, stage: int, pp_size: int, n_microbatches: int) -> int:
         """Weight version buffers the stage keeps (the versions in-flight microbatches still need)."""
         return self.delay(stage, pp_size, n_microbatches) + 1
@@ -79,7 +91,7 @@ def check_versions(order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps
         bound: dict[tuple[int, int], int] = {}  # (stage, in-flight microbatch) → version
         for action in ops:
             stage, j = action.stage_index, action.microbatch_index
-            done, delay = updates.get(stage, 0), order.delay(stage, pp_size, m)
+            done, delay = updates.get(stage, 0), order.delay_at(stage, pp_size, j, m)
             n_buffers = order.n_buffers(stage, pp_size, m)
             version = order.version(stage, pp_size, j, m)
             where = f"rank {rank}, stage {stage}"
@@ -93,7 +105,7 @@ def check_versions(order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps
                 continue
             if bound.pop((stage, j), None) != version:
                 raise ScheduleError(f"{where}: backward of {j} is not on its forward's version")
-            if done - version > delay or (version > 0 and done - version != delay):
+            if done - version > delay or (version > order.first_version(j, m) and done - version != delay):
                 raise ScheduleError(f"{where}: the gradient of {j} is {done - version} updates old, not {delay}")
             if order.updates_after(action, m):
                 updates[stage] = done + 1

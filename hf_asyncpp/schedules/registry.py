@@ -7,7 +7,7 @@ validation read only `ScheduleSpec`, never a class name.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
@@ -15,6 +15,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, Sche
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
 from .async_order import AsyncOrder, SegmentPrograms, check_versions
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW
+from .sync_start import SyncStart
 from .validate import ScheduleError, check_schedule
 from .wpipe import WPIPE
 
@@ -36,6 +37,14 @@ class ScheduleSpec:
     @property
     def synchronous(self) -> bool:
         return self.order is None
+
+    def starting_synchronously(self, sync_steps: int) -> "ScheduleSpec":
+        """This asynchronous schedule with its first `sync_steps` steps synchronous (sync_start.py)."""
+        if not sync_steps:
+            return self
+        if self.order is None:
+            raise ValueError(f"schedule '{self.name}' is synchronous: sync_steps applies to asynchronous ones")
+        return replace(self, order=SyncStart(self.order, sync_steps))
 
     def n_stages(self, pp_size: int) -> int:
         return pp_size * self.stages_per_rank

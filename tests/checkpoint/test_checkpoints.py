@@ -41,7 +41,8 @@ def _steps(engine, rows, start, stop):
     return [engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None).loss for k in range(start, stop)]
 
 
-def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, part, preset="tiny-qwen3-moe"):
+def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, part, preset="tiny-qwen3-moe",
+              sync_steps=0):
     """One process-group lifetime, as a real run: "straight" (all steps), "first" (steps 0..AT−1,
     then save) or "resumed" (load, then the remaining steps). Returns losses and weight digests."""
     import hashlib
@@ -55,7 +56,8 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
     try:
         model_config = small_model_config(preset)
         # A large routing-bias step makes DeepSeek-V3's versioned biases matter within a few steps.
-        config = _config(layout, schedule, optimizer, ef, output_dir, preset, router_bias_update_rate=0.05)
+        config = _config(layout, schedule, optimizer, ef, output_dir, preset, router_bias_update_rate=0.05,
+                         sync_steps=sync_steps)
         rows = _rows(layout, model_config.vocab_size)
         engine = PipelineEngine(config, model_config, layout)
         start, stop = {"straight": (0, STEPS), "first": (0, AT), "resumed": (AT, STEPS)}[part]
@@ -84,14 +86,23 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
     # while its master is version 3; the replay must route with version 2's biases
     (2, 2, "pipedream-2bw", "adamw", False, "tiny-deepseek-v3"),
 ])
-def test_a_resumed_run_continues_bitwise(tmp_path, world_size, pp_size, schedule, optimizer, ef, preset):
+def test_a_resumed_run_continues_bitwise(tmp_path, world_size, pp_size, schedule, optimizer, ef, preset, sync_steps=0):
     args = (world_size, _run_part, pp_size, schedule, optimizer, ef, str(tmp_path))
-    straight, first, resumed = (run_ranks(*args, part, preset) for part in ("straight", "first", "resumed"))
+    straight, first, resumed = (run_ranks(*args, part, preset, sync_steps) for part in ("straight", "first", "resumed"))
     for rank in range(world_size):
         assert first[rank]["losses"] + resumed[rank]["losses"] == straight[rank]["losses"], rank
         assert resumed[rank]["digests"] == straight[rank]["digests"], rank
     if preset == "tiny-deepseek-v3":
         assert any(n.endswith("e_score_correction_bias") for n in straight[0]["digests"])
+
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("sync_steps", [2, 4])
+def test_a_sync_start_resumes_across_its_switch_bitwise(tmp_path, sync_steps):
+    """Saved after step 3: one asynchronous step past the switch, with minibatch 3 forwarded ahead
+    (sync_steps 2), or inside the synchronous steps, resumed across the switch (sync_steps 4)."""
+    test_a_resumed_run_continues_bitwise(tmp_path, 2, 2, "pipedream-2bw", "adamw", True, "tiny-qwen3-moe", sync_steps)
 
 
 def _train_and_save(rank, world_size, output_dir):

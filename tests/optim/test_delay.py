@@ -75,3 +75,21 @@ def test_the_current_weights_are_restored_after_the_stale_pass():
     with emulator.stale_weights():
         assert x.item() == 1.0  # version 0
     assert x.item() == -2.0
+
+
+def test_a_restart_takes_the_next_gradient_at_the_current_weights_and_builds_the_delay_up_again():
+    """A sync start: two fresh units (restart after each), then delay 1 counted from the switch."""
+    x = torch.nn.Parameter(torch.tensor(1.0))
+    emulator = StalenessEmulator(torch.optim.SGD([x], lr=0.1), {x: 1})
+    history = [1.0]
+    for t, (a, c) in enumerate(zip(A, C)):
+        emulator.zero_grad()
+        with emulator.stale_weights():
+            (0.5 * a * (x - c) ** 2).backward()
+        emulator.step()
+        if t < 2:
+            emulator.restart()
+        stale = history[t if t <= 2 else t - 1]
+        history.append(history[-1] - 0.1 * a * (stale - c))
+    assert abs(x.item() - history[-1]) < 1e-6
+    assert emulator.version_age() == 1
