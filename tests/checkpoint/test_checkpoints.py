@@ -266,7 +266,7 @@ def test_a_checkpoint_loads_into_another_dp_and_pp_layout(tmp_path):
         assert loaded == saved, [k for k in saved if loaded.get(k) != saved[k]][:5]
 
 
-def _resume_with(rank, world_size, pp_size, n_microbatches, output_dir):
+def _resume_with(rank, world_size, pp_size, n_microbatches, output_dir, sync_steps=0):
     from hf_asyncpp.checkpoint.checkpoints import CheckpointError, find_checkpoint, load_checkpoint
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.parallel.launch import read_launch
@@ -275,7 +275,7 @@ def _resume_with(rank, world_size, pp_size, n_microbatches, output_dir):
     layout = init_parallel(read_launch(), pp_size)
     try:
         config = _config(layout, "pipedream-2bw", "adamw", False, output_dir)
-        config.n_microbatches = n_microbatches
+        config.n_microbatches, config.sync_steps = n_microbatches, sync_steps
         engine = PipelineEngine(config, small_model_config("tiny-qwen3-moe"), layout)
         try:
             load_checkpoint(engine, layout, find_checkpoint("latest", output_dir))
@@ -287,11 +287,12 @@ def _resume_with(rank, world_size, pp_size, n_microbatches, output_dir):
 
 @pytest.mark.multirank
 def test_an_asynchronous_checkpoint_refuses_another_pipeline_order(tmp_path):
-    """Its in-flight state is rebuilt by replaying the order, so pp_size, schedule and microbatch count
-    must match; a pp 4 checkpoint must not be taken up by pp 2 (whose stage indices it also holds)."""
+    """Its in-flight state is rebuilt by replaying the order, so pp_size, schedule, microbatch count
+    and sync start must match; a pp 4 checkpoint must not be taken up by pp 2 (whose stage indices it
+    also holds)."""
     run_ranks(4, _run_part, 4, "pipedream-2bw", "adamw", False, str(tmp_path), "first")
-    for pp_size, n_microbatches in [(2, M), (4, 2 * M)]:
-        messages = run_ranks(pp_size, _resume_with, pp_size, n_microbatches, str(tmp_path))
+    for pp_size, n_microbatches, sync_steps in [(2, M, 0), (4, 2 * M, 0), (4, M, 1)]:
+        messages = run_ranks(pp_size, _resume_with, pp_size, n_microbatches, str(tmp_path), sync_steps)
         assert all("needs the same pp_size, schedule and n_microbatches" in m for m in messages), messages
 
 
