@@ -190,17 +190,17 @@ def test_a_loop_that_reads_one_step_ahead_packs_every_streamed_block_once(tmp_pa
     tokenizer, packed = load_tokenizer("builtin"), []
 
     class CountingPacker(BlockPacker):
-        def blocks(self, dataset, name="dataset"):
-            for block in super().blocks(dataset, name):
-                packed.append(block)
-                yield block
+        def cut(self, carry, documents):
+            blocks, carry = super().cut(carry, documents)
+            packed.extend(blocks.tolist())
+            return blocks, carry
 
     stream = load_source(_corpus(tmp_path, "jsonl"), streaming=True)  # 9 blocks of 8 tokens an epoch
     sampler = StreamingSampler(stream, CountingPacker(tokenizer, 8), 4, 0, 1, shuffle=False, seed=0)
     for step in range(6):  # the training loop's order: the next step's rows, then this step's
         assert sampler.rows(step + 1).tolist() == packed[4 * (step + 1):4 * (step + 2)]
         assert sampler.rows(step).tolist() == packed[4 * step:4 * (step + 1)]
-    assert len(packed) == 7 * 4  # through three epochs, no block packed twice
+    assert len(packed) == 4 * 9  # 7 steps of 4 blocks reach into a 4th epoch (packed a window at a time), none twice
 
 
 def test_streaming_shuffle_is_seeded_and_reshuffles_each_epoch(tmp_path):
@@ -319,6 +319,9 @@ class _CountingSampler:
         if step == self.fail_at:
             raise DataError(f"bad row in step {step}")
         return torch.full((2, 3), step)
+
+    def position(self, step):
+        return {"step": step}
 
 
 def test_prefetched_rows_are_the_samplers_in_any_order_of_requests():
