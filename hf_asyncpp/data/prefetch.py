@@ -42,12 +42,10 @@ class Prefetcher:
     def resume(self, step: int, positions: list[dict] | None) -> str | None:
         if self._started:
             raise RuntimeError("a Prefetcher resumes before its first request")
+        self._next = step
         return self.sampler.resume(step, positions)
 
     def _read(self, step: int) -> tuple[torch.Tensor, dict | None]:
-        if not self._started:
-            self._started = True
-            self._thread.start()
         with self._changed:
             if step not in self._ready and not self._next <= step <= self._next + self.ahead:
                 self._ready.clear()  # behind the thread, or far ahead of it (a resume): restart there
@@ -56,6 +54,9 @@ class Prefetcher:
             for old in [s for s in self._ready if s < step - 1]:  # a loop may ask for step − 1 once more
                 del self._ready[old]
             self._changed.notify_all()
+            if not self._started:
+                self._started = True
+                self._thread.start()
             while step not in self._ready and self._error is None:
                 self._changed.wait()
             if step in self._ready:  # read before a later step failed
