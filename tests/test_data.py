@@ -196,7 +196,7 @@ def test_a_loop_that_reads_one_step_ahead_packs_every_streamed_block_once(tmp_pa
             return blocks, carry
 
     stream = load_source(_corpus(tmp_path, "jsonl"), streaming=True)  # 9 blocks of 8 tokens an epoch
-    sampler = StreamingSampler(stream, CountingPacker(tokenizer, 8), 4, 0, 1, shuffle=False, seed=0)
+    sampler = StreamingSampler(stream, CountingPacker(tokenizer, 8), 4, 0, 1, shuffle=False, seed=0, shuffle_window=1)
     for step in range(6):  # the training loop's order: the next step's rows, then this step's
         assert sampler.rows(step + 1).tolist() == packed[4 * (step + 1):4 * (step + 2)]
         assert sampler.rows(step).tolist() == packed[4 * step:4 * (step + 1)]

@@ -89,7 +89,7 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
         source = {"dataset": train_name, "config_name": config.dataset_config_name, "split": config.dataset_split,
                   "revision": config.dataset_revision}  # the stream's saved positions hold only in it
         sampler = StreamingSampler(train_dataset, packer, config.rows_per_step, dp_rank, dp_size,
-                                   config.shuffle, config.seed, vocab_size=vocab_size, name=train_name, source=source)
+                                   config.shuffle, config.seed, config.shuffle_window, vocab_size, train_name, source)
         # Packing a stream costs time per step: the next steps are read ahead in a thread.
         return TrainingData(Prefetcher(sampler, pin_memory=torch.cuda.is_available()), held_out)
     blocks = packer.tensor(train_dataset, train_name)

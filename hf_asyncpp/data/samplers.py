@@ -82,7 +82,7 @@ class StreamingSampler:
     RECENT_STEPS = 4  # steps kept for repeated requests
 
     def __init__(self, dataset, packer, rows_per_step: int, dp_rank: int, dp_size: int, shuffle: bool, seed: int,
-                 shuffle_buffer_size: int = 10_000, vocab_size: int | None = None, name: str = "dataset",
+                 shuffle_window: int, vocab_size: int | None = None, name: str = "dataset",
                  source: dict | None = None):
         from datasets.distributed import split_dataset_by_node
 
@@ -91,7 +91,7 @@ class StreamingSampler:
         self.stream = split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_size)
         self.packer, self.rows_per_step, self.dp_rank, self.dp_size = packer, rows_per_step, dp_rank, dp_size
         self.shuffle, self.seed = shuffle, seed
-        self.window = shuffle_buffer_size if shuffle else packer.batch_size  # rows read (and permuted) at once
+        self.window = shuffle_window if shuffle else packer.batch_size  # rows read (and permuted) at once
         self.vocab_size, self.name = vocab_size, name  # token ids are checked as a step's rows are read
         # What a saved position is a position in: it holds only in the same stream, packed the same way.
         self.source = dict(source or {"dataset": name}, text_column=packer.text_column, seq_len=packer.seq_len,

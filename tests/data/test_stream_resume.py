@@ -49,7 +49,7 @@ class CountingTokenizer:
 def _sampler(corpus, dp_rank, dp_size, shuffle, tokenizer=None, ahead=2):
     packer = BlockPacker(tokenizer or load_tokenizer("builtin"), SEQ, batch_size=BATCH)
     sampler = StreamingSampler(load_source(corpus, streaming=True), packer, ROWS_PER_STEP, dp_rank, dp_size,
-                               shuffle=shuffle, seed=11, shuffle_buffer_size=WINDOW, name="corpus")
+                               shuffle=shuffle, seed=11, shuffle_window=WINDOW, name="corpus")
     return Prefetcher(sampler, ahead=ahead)
 
 
@@ -119,7 +119,7 @@ def test_positions_of_another_stream_are_refused_and_of_another_dp_size_replayed
     with pytest.raises(DataError, match="taken reading dataset corpus.*seed 11.*this run reads .*seed 12"):
         packer = BlockPacker(load_tokenizer("builtin"), SEQ, batch_size=BATCH)
         StreamingSampler(load_source(corpus, streaming=True), packer, ROWS_PER_STEP, 0, 2, shuffle=True, seed=12,
-                         shuffle_buffer_size=WINDOW, name="corpus").resume(5, saved)
+                         shuffle_window=WINDOW, name="corpus").resume(5, saved)
     straight = _straight_run(corpus, 1, True)[0][0]
     at_dp_1 = _sampler(corpus, 0, 1, True)
     assert "for dp_size 2" in at_dp_1.resume(5, saved)
