@@ -1,6 +1,8 @@
 """Step k's rows on one dp rank: from blocks in memory, or packed on the fly from a stream.
 
-Both are pure functions of the step (with the seed), so a resumed run asks for step k and continues.
+Both are pure functions of the step (with the seed). In memory, a resumed run asks for step k and
+continues; a stream would have to read everything before step k, so it continues from the position a
+checkpoint saved instead (`position` / `resume`).
 
 In memory (`MinibatchSampler`): with shuffle off and dp = 1, step k uses rows k·G … (k+1)·G − 1
 (G = micro_batch_size × n_microbatches), wrapping around at the end. With dp ranks, step k covers
@@ -9,9 +11,9 @@ same rows. Shuffle permutes the blocks once per epoch with the run's seed.
 
 Streaming (`StreamingSampler`): each dp rank reads its own documents (`split_dataset_by_node`), packs
 them, and step k takes that rank's blocks k·G … (k+1)·G − 1; when the stream ends the next epoch
-starts it over (a partial block never spans two epochs). Shuffle is the stream's own (shard order and
-a buffer, seeded with the run's seed; `set_epoch` reshuffles each epoch). At dp 1 without shuffle the
-rows equal `MinibatchSampler`'s over the same files.
+starts it over (a partial block never spans two epochs). Shuffle is the shard order (datasets',
+seeded with the run's seed; `set_epoch` reshuffles each epoch) and the documents of each window
+(stream_blocks.py). At dp 1 without shuffle the rows equal `MinibatchSampler`'s over the same files.
 """
 
 from __future__ import annotations
