@@ -1,8 +1,9 @@
 """One training run on this rank, whichever front end started it.
 
 `TrainingLoop` owns what happens around the engine's steps: the data position (resume continues at
-the next unseen block; a stream from the position its checkpoint saved), logging records, evaluation, checkpoints, an early stop, the metrics file,
-trackers, the loss-curve PNG, the HF export and the model card. A front end decides only *when*:
+the next unseen block; a stream from the position its checkpoint saved), logging records,
+evaluation, checkpoints, an early stop, the metrics file, trackers, the loss-curve PNG, the HF export
+and the model card. A front end decides only *when*:
 `LoopHooks` is train.py's answer (the config's logging_steps / eval_steps / save_steps), and
 `AsyncPPTrainer` answers through transformers' callbacks. So train.py and the Trainer run the same
 steps on the same rows and log the same losses.

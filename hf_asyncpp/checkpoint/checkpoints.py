@@ -3,10 +3,10 @@
 A checkpoint is written by all ranks into `checkpoint-<step>.partial/` with
 torch.distributed.checkpoint (each rank its own shards, in parallel); the ranks then hash the files
 between them (each file once, in parallel), and rank 0 adds `trainer_state.json` (step, layout,
-config), `data_positions.json` (where each dp rank's streamed dataset continues, one entry per dp rank,
-from the ranks that read data; absent for data in memory) and `manifest.json` (every file's size and
-SHA-256) and renames the directory. Only a
-directory without the `.partial` suffix and with a manifest counts as a checkpoint: a crash at any
+config), `data_positions.json` (where each dp rank's streamed dataset continues, one entry per dp
+rank, from the ranks that read data; absent for data in memory) and `manifest.json` (every file's
+size and SHA-256) and renames the directory. Only a directory without the `.partial` suffix and with
+a manifest counts as a checkpoint: a crash at any
 point before the rename leaves nothing that looks complete, and the previous checkpoints are
 untouched (the oldest are removed only after the new one is complete, `save_total_limit`).
 
@@ -144,7 +144,8 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
                 staging.mkdir(parents=True)
         except (OSError, TypeError, ValueError) as err:
             failure = err
-        positions = {p["dp_rank"]: p for p in map(json.loads, filter(None, _agree(layout, final, failure, position)))}
+        shared = _agree(layout, final, failure, position)  # every rank's position: kept once per dp rank
+        positions = {p["dp_rank"]: p for p in map(json.loads, filter(None, shared))}
         failure = None
         try:
             # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.

@@ -37,9 +37,11 @@ class Prefetcher:
         return self._read(step)[0]
 
     def position(self, step: int) -> dict | None:
+        """The sampler's position at step `step`'s first block (read if it is not yet)."""
         return self._read(step)[1]
 
     def resume(self, step: int, positions: list[dict] | None) -> str | None:
+        """The sampler continues at `step` (see its `resume`); the thread then reads from there."""
         if self._started:
             raise RuntimeError("a Prefetcher resumes before its first request")
         self._next = step

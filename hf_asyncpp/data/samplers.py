@@ -96,8 +96,8 @@ class StreamingSampler:
         self.window = shuffle_window if shuffle else packer.batch_size  # rows read (and permuted) at once
         self.vocab_size, self.name = vocab_size, name  # token ids are checked as a step's rows are read
         # What a saved position is a position in: it holds only in the same stream, packed the same way.
-        self.source = dict(source or {"dataset": name}, text_column=packer.text_column, seq_len=packer.seq_len,
-                           shuffle=shuffle, seed=seed, window=self.window)
+        self.source = dict(source or {"dataset": name}, shards=dataset.num_shards, text_column=packer.text_column,
+                           seq_len=packer.seq_len, shuffle=shuffle, seed=seed, window=self.window)
         self._epoch_sizes: dict[int, int] = {}  # blocks per epoch, learnt as epochs end
         self._recent: dict[int, torch.Tensor] = {}  # step → its rows, the newest RECENT_STEPS steps read
         self._positions: dict[int, dict] = {}  # step → the position of its first block, for the same steps

@@ -120,6 +120,10 @@ def test_positions_of_another_stream_are_refused_and_of_another_dp_size_replayed
         packer = BlockPacker(load_tokenizer("builtin"), SEQ, batch_size=BATCH)
         StreamingSampler(load_source(corpus, streaming=True), packer, ROWS_PER_STEP, 0, 2, shuffle=True, seed=12,
                          shuffle_window=WINDOW, name="corpus").resume(5, saved)
+    (tmp_path / "corpus" / "99.jsonl").write_text(json.dumps({"text": "a file added since"}) + "\n")
+    with pytest.raises(DataError, match="shards 8.*this run reads .*shards 9"):
+        _sampler(corpus, 0, 2, True).resume(5, saved)
+    (tmp_path / "corpus" / "99.jsonl").unlink()
     straight = _straight_run(corpus, 1, True)[0][0]
     at_dp_1 = _sampler(corpus, 0, 1, True)
     assert "for dp_size 2" in at_dp_1.resume(5, saved)
