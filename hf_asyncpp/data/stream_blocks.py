@@ -15,6 +15,7 @@ the resume differs). A window holds nothing that its position cannot rebuild.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from itertools import islice
@@ -27,14 +28,23 @@ __all__ = ["StreamBlocks"]
 
 
 class _BufferOfOne(logging.Filter):
-    """datasets warns that loading a state loses its shuffle buffer's rows; a shuffle by shard order
-    only (buffer_size 1, samplers.py) has none to lose."""
+    """datasets warns, as a resumed stream starts, that loading a state loses its shuffle buffer's
+    rows; the shuffle by shard order only (buffer_size 1, samplers.py) has none to lose. Applied only
+    while a resume of such a stream reads its first window."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "shuffle buffer" not in record.getMessage()
 
 
-logging.getLogger("datasets.iterable_dataset").addFilter(_BufferOfOne())
+@contextlib.contextmanager
+def _buffer_of_one_quiet(shuffled: bool):
+    logger, quiet = logging.getLogger("datasets.iterable_dataset"), _BufferOfOne()
+    if shuffled:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 _START = {"stream": None, "window": 0, "rows": 0, "carry": [], "taken": 0}  # an epoch's first block
@@ -60,7 +70,8 @@ class StreamBlocks:
         self._next_state, self._next_window, self._next_first_row = self._state, self._window, self._first_row
         self._carry = self._carry_before
         if position is not None:
-            self._read_window()
+            with _buffer_of_one_quiet(shuffle):
+                self._read_window()
             if len(self._blocks) < position["taken"]:
                 raise DataError(f"{name}: the stream no longer holds the blocks its saved position names "
                                 "(the data changed since the checkpoint); resume with the same data")
