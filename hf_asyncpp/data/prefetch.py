@@ -43,7 +43,7 @@ class Prefetcher:
     def resume(self, step: int, positions: list[dict] | None) -> str | None:
         """The sampler continues at `step` (see its `resume`); the thread then reads from there."""
         if self._started:
-            raise RuntimeError("a Prefetcher resumes before its first request")
+            raise RuntimeError("resume() must come before the first request for rows")
         self._next = step
         return self.sampler.resume(step, positions)
 
