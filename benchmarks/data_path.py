@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def stream():
         return StreamingSampler(load_source(corpus, streaming=True), packer, args.rows_per_step, 0, 1,
-                                shuffle=False, seed=0)
+                                shuffle=False, seed=0, shuffle_window=1)  # unshuffled: the window is unused
 
     tokens_per_step = args.rows_per_step * args.seq_len
     sampler, start = stream(), time.perf_counter()

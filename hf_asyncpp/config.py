@@ -45,6 +45,7 @@ class TrainConfig:
     tokenizer: str = "builtin"  # "builtin" (shipped BPE) or an HF tokenizer directory
     seq_len: int = 128
     shuffle: bool = True
+    shuffle_window: int = 10_000  # a shuffled stream permutes its documents this many at a time (a resume reads one window again)
     eval_fraction: float = 0.0  # share of the blocks held out for validation (the last ones; 0: none)
     eval_dataset: str | None = None  # files or a Hub id (its eval_dataset_split) held out whole; replaces eval_fraction
     eval_dataset_split: str = "validation"  # the Hub eval_dataset's split
@@ -249,7 +250,8 @@ def check_settings(config: TrainConfig, world_size: int):
 
     from .schedules import get_schedule_spec
 
-    for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps"):
+    for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps",
+                "shuffle_window"):
         _require(getattr(config, key) >= 1, f"{key} must be at least 1, got {getattr(config, key)}")
     _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
     _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")

@@ -1,8 +1,9 @@
 """One training run on this rank, whichever front end started it.
 
 `TrainingLoop` owns what happens around the engine's steps: the data position (resume continues at
-the next unseen block), logging records, evaluation, checkpoints, an early stop, the metrics file,
-trackers, the loss-curve PNG, the HF export and the model card. A front end decides only *when*:
+the next unseen block; a stream from the position its checkpoint saved), logging records,
+evaluation, checkpoints, an early stop, the metrics file, trackers, the loss-curve PNG, the HF export
+and the model card. A front end decides only *when*:
 `LoopHooks` is train.py's answer (the config's logging_steps / eval_steps / save_steps), and
 `AsyncPPTrainer` answers through transformers' callbacks. So train.py and the Trainer run the same
 steps on the same rows and log the same losses.
@@ -140,7 +141,7 @@ class TrainingLoop:
     def resume(self, resume_from: str) -> None:
         """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it.
         "latest" with no checkpoint yet starts from step 0."""
-        from .checkpoint.checkpoints import find_checkpoint, load_checkpoint
+        from .checkpoint.checkpoints import find_checkpoint, load_checkpoint, read_data_positions
 
         path = find_checkpoint(resume_from, self.config.output_dir)
         if path is None:
@@ -151,7 +152,12 @@ class TrainingLoop:
         self.start_step, self.tokens_seen = self.checkpoint_state["step"], self.checkpoint_state["tokens_seen"]
         self.engine.guard.load_state_dict(self.checkpoint_state.get("nonfinite", {}))
         self.engine.resume_after(self.start_step)
+        # A stream continues from its saved position; every rank learns if rank 0's is refused.
+        positions = read_data_positions(path)
+        replayed = load_main_process_first(self.layout, lambda: self.data.sampler.resume(self.start_step, positions))
         if self.layout.is_main:
+            if replayed:
+                print(f"[hf_asyncpp] warning: {replayed}", flush=True)
             print(f"[hf_asyncpp] resumed from {path} after step {self.start_step}")
 
     # --- the run -------------------------------------------------------------------------------
@@ -265,7 +271,7 @@ class TrainingLoop:
         state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
                  "nonfinite": self.engine.guard.state_dict(), **self.hooks.checkpoint_state()}
         return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, state,
-                               self.config.save_total_limit)
+                               self.config.save_total_limit, data_position=self.data.sampler.position(step))
 
     def close(self) -> None:
         """Close the metrics file and trackers and draw the loss curves (main process)."""

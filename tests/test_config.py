@@ -56,6 +56,7 @@ BAD_INPUTS = {
     "missing init_from": (["--init_from", "/nonexistent/model"], 2, "init_from '/nonexistent/model' is not a model directory"),
     "SOAP never refreshing": (["--optimizer", "soap", "--soap_precondition_frequency", "0"], 2,
                               "soap_precondition_frequency must be at least 1 .*got 0"),
+    "empty shuffle window": (["--shuffle_window", "0"], 2, "shuffle_window must be at least 1, got 0"),
     "SOAP rotating no side": (["--soap_max_precond_dim", "-1"], 2, "soap_max_precond_dim must be at least 1 .*got -1"),
     "Muon pattern not a regex": (["--optimizer", "muon", "--muon_adamw_patterns", "lm_head,(unclosed"], 2,
                                  "muon_adamw_patterns: '\\(unclosed' is not a regular expression"),

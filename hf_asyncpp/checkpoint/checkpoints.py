@@ -3,8 +3,10 @@
 A checkpoint is written by all ranks into `checkpoint-<step>.partial/` with
 torch.distributed.checkpoint (each rank its own shards, in parallel); the ranks then hash the files
 between them (each file once, in parallel), and rank 0 adds `trainer_state.json` (step, layout,
-config) and `manifest.json` (every file's size and SHA-256) and renames the directory. Only a
-directory without the `.partial` suffix and with a manifest counts as a checkpoint: a crash at any
+config), `data_positions.json` (where each dp rank's streamed dataset continues, one entry per dp
+rank, from the ranks that read data; absent for data in memory) and `manifest.json` (every file's
+size and SHA-256) and renames the directory. Only a directory without the `.partial` suffix and with
+a manifest counts as a checkpoint: a crash at any
 point before the rename leaves nothing that looks complete, and the previous checkpoints are
 untouched (the oldest are removed only after the new one is complete, `save_total_limit`).
 
@@ -30,11 +32,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..resilience import RunFailure, first_nonfinite
 from .training_state import load_training_state, training_state
 
-__all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
-           "verify_checkpoint", "verify_checksums"]
+__all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "read_data_positions",
+           "save_checkpoint", "verify_checkpoint", "verify_checksums"]
 
 PREFIX = "checkpoint-"
-MANIFEST, TRAINER_STATE = "manifest.json", "trainer_state.json"
+MANIFEST, TRAINER_STATE, DATA_POSITIONS = "manifest.json", "trainer_state.json", "data_positions.json"
 
 
 class CheckpointError(RunFailure):
@@ -119,8 +121,10 @@ def _my_share(names: list[str], layout) -> list[str]:
 
 
 def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_state: dict,
-                    save_total_limit: int | None = None) -> Path:
-    """Write the training state after `step` completed steps (collective: every rank calls it).
+                    save_total_limit: int | None = None, data_position: dict | None = None) -> Path:
+    """Write the training state after `step` completed steps (collective: every rank calls it), and
+    `data_position`, this rank's position in a streamed dataset (None where it reads none; the ranks
+    of one dp rank hold the same position, which is written once).
     A failure on any rank (a full disk, an unwritable directory, a non-finite value in the state,
     which is then not written at all) raises the same CheckpointError on
     every rank, naming the path and the cause; the partial directory is removed and the previous
@@ -129,17 +133,19 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
     staging = final.with_name(final.name + ".partial")
     state = training_state(engine, layout.rank)
     try:
-        failure = None
+        failure, position = None, None
         bad = first_nonfinite(state.items())
         if bad is not None:  # never written: a checkpoint that resumes into NaN is worse than none
             failure = ValueError(f"{bad} holds non-finite values")
         try:
+            position = None if data_position is None else json.dumps(data_position)
             if layout.is_main and failure is None:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
-        except OSError as err:
+        except (OSError, TypeError, ValueError) as err:
             failure = err
-        _agree(layout, final, failure)
+        shared = _agree(layout, final, failure, position)  # every rank's position: kept once per dp rank
+        positions = {p["dp_rank"]: p for p in map(json.loads, filter(None, shared))}
         failure = None
         try:
             # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.
@@ -160,12 +166,14 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
         failure = None
         try:
             if layout.is_main:
-                state_file = staging / TRAINER_STATE
-                _write_json(state_file, dict(trainer_state, step=step, pp_size=layout.pp_size,
-                                             dp_size=layout.dp_size, schedule=engine.spec.name,
-                                             n_microbatches=engine.config.n_microbatches))
                 files = {name: info for share in shares for name, info in share.items()}
-                files[TRAINER_STATE] = {"bytes": state_file.stat().st_size, "sha256": _digest(state_file)}
+                written = {TRAINER_STATE: dict(trainer_state, step=step, pp_size=layout.pp_size, dp_size=layout.dp_size,
+                                               schedule=engine.spec.name, n_microbatches=engine.config.n_microbatches)}
+                if positions:
+                    written[DATA_POSITIONS] = [positions[d] for d in sorted(positions)]
+                for name, value in written.items():
+                    _write_json(staging / name, value)
+                    files[name] = {"bytes": (staging / name).stat().st_size, "sha256": _digest(staging / name)}
                 _write_json(staging / MANIFEST, dict(sorted(files.items())))  # last: marks the files complete
                 shutil.rmtree(final, ignore_errors=True)
                 staging.rename(final)
@@ -207,6 +215,12 @@ def verify_checksums(path: Path, layout) -> None:
     damaged = sorted(name for names in found for name in names)
     if damaged:
         raise CheckpointError(f"checkpoint {path}: file {damaged[0]} is damaged (checksum differs)")
+
+
+def read_data_positions(path: Path) -> list[dict] | None:
+    """The streamed dataset's positions a checkpoint holds, one per dp rank (None if it holds none)."""
+    file = Path(path) / DATA_POSITIONS
+    return json.loads(file.read_text()) if file.is_file() else None
 
 
 def load_checkpoint(engine, layout, path: Path) -> dict:

@@ -45,6 +45,12 @@ class TokenFreeRows:
     def rows(self, step: int) -> torch.Tensor:
         return self._rows
 
+    def position(self, step: int) -> None:
+        return None
+
+    def resume(self, step: int, positions: list[dict] | None) -> None:
+        return None
+
 
 def token_free_data(config, n_held_out: int | None) -> TrainingData:
     """What a middle pipeline stage's rank holds instead of the data: the shapes (`n_held_out`
@@ -80,8 +86,10 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
         if config.eval_fraction > 0:
             raise ValueError("eval_fraction cannot split a streamed dataset (its length is unknown); "
                              "give an eval dataset instead")
+        source = {"dataset": train_name, "config_name": config.dataset_config_name, "split": config.dataset_split,
+                  "revision": config.dataset_revision}  # the stream's saved positions hold only in it
         sampler = StreamingSampler(train_dataset, packer, config.rows_per_step, dp_rank, dp_size,
-                                   config.shuffle, config.seed, vocab_size=vocab_size, name=train_name)
+                                   config.shuffle, config.seed, config.shuffle_window, vocab_size, train_name, source)
         # Packing a stream costs time per step: the next steps are read ahead in a thread.
         return TrainingData(Prefetcher(sampler, pin_memory=torch.cuda.is_available()), held_out)
     blocks = packer.tensor(train_dataset, train_name)
