@@ -1,6 +1,6 @@
 """The `hf-asyncpp` command: `hf-asyncpp train --config ...` (same as training_scripts/train.py),
 `hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp prepare-data` (a corpus as
-pre-tokenized parquet shards), `hf-asyncpp plot <run_dir> ...`
+pre-tokenized Arrow shards), `hf-asyncpp plot <run_dir> ...`
 (loss curves as PNG), `hf-asyncpp study <study.yaml>` (a grid of runs with a results table and
 figures) and `hf-asyncpp schedules` (print each registered schedule's action lists)."""
 
@@ -25,7 +25,7 @@ commands:
   prepare-data SOURCE OUT_DIR --seq_len N [--tokenizer T] [--text_column C] [--blocks_per_shard B]
                [--dataset_config_name X] [--dataset_split S] [--dataset_revision R]
                                             tokenize and pack a corpus (files or a Hub id, streamed)
-                                            into parquet shards + manifest.json; train with
+                                            into Arrow shards + manifest.json; train with
                                             `--dataset OUT_DIR` (no tokenizing, no network)
 """
 
@@ -127,11 +127,13 @@ def _prepare_data(argv: list[str]) -> int:
     parser.add_argument("--dataset_config_name")
     parser.add_argument("--dataset_split", default="train")
     parser.add_argument("--dataset_revision")
+    parser.add_argument("--num_proc", type=int, default=1, help="processes tokenizing the source's files in parallel")
+    parser.add_argument("--max_tokens", type=lambda s: int(float(s)), help="keep only the first N tokens (e.g. 41e9)")
     args = parser.parse_args(argv)
     try:
         manifest = prepare_data(args.source, args.out_dir, args.tokenizer, args.seq_len, args.text_column,
                                 args.blocks_per_shard, args.dataset_config_name, args.dataset_split,
-                                args.dataset_revision)
+                                args.dataset_revision, args.num_proc, args.max_tokens)
     except (DataError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -279,7 +279,7 @@ def _prepare(*args) -> subprocess.CompletedProcess:
 
 
 def test_prepared_shards_train_on_the_blocks_of_the_corpus_itself(tmp_path):
-    """`hf-asyncpp prepare-data` streams the corpus through the one packing rule into parquet shards and
+    """`hf-asyncpp prepare-data` streams the corpus through the one packing rule into Arrow shards and
     a manifest; a run on the shards reads the corpus's own blocks (in order) without tokenizing."""
     corpus, out = _corpus(tmp_path, "jsonl"), tmp_path / "prepared"
     done = _prepare(corpus, str(out), "--seq_len", "8", "--blocks_per_shard", "4")

@@ -15,6 +15,8 @@ import torch
 from ..evaluation import split_held_out
 from .packing import BlockPacker, check_disjoint, check_vocabulary
 from .prefetch import Prefetcher
+from .prepare import read_manifest
+from .prepared import PreparedBlocks
 from .samplers import MinibatchSampler, StreamingSampler
 from .sources import load_source
 
@@ -62,8 +64,11 @@ def token_free_data(config, n_held_out: int | None) -> TrainingData:
 def training_data(config, tokenizer, dp_rank: int, dp_size: int, vocab_size: int | None = None) -> TrainingData:
     """The run's data as the config names it (files, "shakespeare" or a Hub id); token ids must lie
     below `vocab_size` (checked when given)."""
-    train = load_source(config.dataset, config.dataset_config_name, config.dataset_split, streaming=config.streaming,
-                        revision=config.dataset_revision)
+    if read_manifest(config.dataset) is not None and not config.streaming:  # prepared: mapped, never loaded
+        train = PreparedBlocks(config.dataset)
+    else:
+        train = load_source(config.dataset, config.dataset_config_name, config.dataset_split,
+                            streaming=config.streaming, revision=config.dataset_revision)
     eval_rows = None
     if config.eval_dataset is not None:
         eval_rows = load_source(config.eval_dataset, config.dataset_config_name, config.eval_dataset_split,
@@ -92,11 +97,16 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
                                    config.shuffle, config.seed, config.shuffle_window, vocab_size, train_name, source)
         # Packing a stream costs time per step: the next steps are read ahead in a thread.
         return TrainingData(Prefetcher(sampler, pin_memory=torch.cuda.is_available()), held_out)
-    blocks = packer.tensor(train_dataset, train_name)
-    check_vocabulary(blocks, vocab_size, train_name)
-    if held_out is not None:
-        check_disjoint(blocks, held_out, train_name, eval_name)
+    if isinstance(train_dataset, PreparedBlocks):  # vocabulary checked by its manifest; too large to scan
+        blocks = train_dataset
+    else:
+        blocks = packer.tensor(train_dataset, train_name)
+        check_vocabulary(blocks, vocab_size, train_name)
+        if held_out is not None:
+            check_disjoint(blocks, held_out, train_name, eval_name)
     if eval_dataset is None:
         blocks, held_out = split_held_out(blocks, config.eval_fraction)
+        if isinstance(held_out, PreparedBlocks):
+            held_out = held_out.materialize()
     sampler = MinibatchSampler(blocks, config.rows_per_step, dp_rank, dp_size, config.shuffle, config.seed)
     return TrainingData(sampler, held_out)
