@@ -8,7 +8,8 @@ time (up to max_shard_size of them, or one layer if that is larger), converts ea
 hf_export's conversion (the names save_pretrained writes, in the export dtype) and writes its files
 through hf_export's writers. The file layout is planned first on meta tensors (sizes and names
 only), so each group is read once and memory holds one group: a model below max_shard_size is one
-model.safetensors, as save_pretrained writes it, a larger one shards and an index.
+model.safetensors, as save_pretrained writes it, a larger one shards and an index. Before that, the
+manifest's sizes and checksums are checked (every file read once), as a resume checks them.
 
 The weights are the stages' master weights at the checkpoint's step, the same tensors the run's own
 export writes from its stages (bit for bit for a synchronous run saved at its last step; an
@@ -101,7 +102,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     CheckpointError / ValueError before anything is written if the input is unusable."""
     from transformers import AutoConfig, AutoTokenizer
 
-    path = find_checkpoint(str(checkpoint), None)
+    path = find_checkpoint(str(Path(checkpoint).absolute()), None)  # a directory, even one named "latest"
     run_state = verify_checkpoint(path)
     out_dir = _checked_output(Path(out_dir))
     verify_checksums(path)
