@@ -1,5 +1,6 @@
 """The `hf-asyncpp` command: `hf-asyncpp train --config ...` (same as training_scripts/train.py),
-`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp prepare-data` (a corpus as
+`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp export <checkpoint> <dir>`
+(a training checkpoint as an HF model directory, one process), `hf-asyncpp prepare-data` (a corpus as
 pre-tokenized Arrow shards), `hf-asyncpp plot <run_dir> ...`
 (loss curves as PNG), `hf-asyncpp study <study.yaml>` (a grid of runs with a results table and
 figures) and `hf-asyncpp schedules` (print each registered schedule's action lists)."""
@@ -7,6 +8,7 @@ figures) and `hf-asyncpp schedules` (print each registered schedule's action lis
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -14,6 +16,10 @@ _USAGE = """usage: hf-asyncpp <command> [args]
 
 commands:
   train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1)
+  export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16]
+                                            a training checkpoint (any pp × dp layout) as an HF model
+                                            directory (weights, config, tokenizer, card), on one
+                                            process; dtype: the run's export_dtype unless given
   push DIR REPO_ID [--private]               upload an exported model directory (e.g. outputs/run/final)
                                             to the Hub; the token comes from HF_TOKEN or `hf auth login`
   plot RUN_DIR [RUN_DIR ...] [--out FILE] [--x step|tokens]
@@ -65,6 +71,30 @@ def _push(argv: list[str]) -> int:
         print(f"error: upload of {args.folder} to {args.repo_id} failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     print(f"[hf_asyncpp] pushed {args.folder} to {args.repo_id}: {url}")
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    import argparse
+
+    from .checkpoint import CheckpointError, export_checkpoint
+    from .hub import checkpoint_model_card
+    from .resilience import NonFiniteError
+
+    parser = argparse.ArgumentParser(prog="hf-asyncpp export")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    parser.add_argument("out_dir", metavar="OUT_DIR")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "float32", "bfloat16"],
+                        help="the weights' dtype (default: the run's export_dtype)")
+    args = parser.parse_args(argv)
+    name = Path(args.out_dir).name
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype,
+                                model_card=lambda state, model_config: checkpoint_model_card(state, model_config, name))
+    except (CheckpointError, NonFiniteError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"[hf_asyncpp] exported {args.checkpoint} to {out}")
     return 0
 
 
@@ -156,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return _show_schedules(rest)
     if command == "push":
         return _push(rest)
+    if command == "export":
+        return _export(rest)
     if command == "study":
         return _study(rest)
     if command == "plot":

@@ -89,6 +89,9 @@ class TrainConfig:
     push_to_hub: bool = False  # upload final/ (weights, tokenizer, model card) to hub_model_id at the end
     hub_model_id: str | None = None  # "namespace/name" on the Hub
     max_shard_size: str = "5GB"  # the export's safetensors files: one below this size, shards + index above
+    export_dtype: str = "float32"  # the export's weights: float32, or bfloat16 (cast from the fp32 masters)
+    license: str = "apache-2.0"  # the model card's license
+    language: list[str] = dataclasses.field(default_factory=lambda: ["en"])  # the model card's language(s)
     save_steps: int = 0  # write a training checkpoint every N steps (0: never)
     save_total_limit: int | None = None  # keep only the newest N checkpoints
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir (if any yet)
@@ -291,6 +294,12 @@ def check_settings(config: TrainConfig, world_size: int):
         parse_size_to_int(config.max_shard_size)
     except ValueError:
         raise ConfigError(f"max_shard_size must be a size such as 5GB or 500MB, got '{config.max_shard_size}'") from None
+    try:
+        from .checkpoint.hf_export import export_dtype
+
+        export_dtype(config.export_dtype)
+    except ValueError as err:
+        raise ConfigError(f"export_dtype: {err}") from None
     _require(not config.push_to_hub or (config.hub_model_id and config.save_final),
              "push_to_hub needs hub_model_id (namespace/name) and save_final: true")
     _require(0 <= config.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {config.eval_fraction}")

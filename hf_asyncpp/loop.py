@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,16 @@ class StepDecision:
 
 
 class LoopHooks:
-    """The script front end's decisions (the config's *_steps keys); events are not forwarded."""
+    """The script front end's decisions (the config's *_steps keys) and its `TrainerState`, which a
+    checkpoint carries as trainer_state.json (logged records and evaluations in its log_history)."""
 
     def __init__(self, config):
+        from transformers import TrainerState
+
         self.config = config
+        self.state = TrainerState(max_steps=config.max_steps, logging_steps=config.logging_steps,
+                                  eval_steps=config.eval_steps, save_steps=config.save_steps,
+                                  train_batch_size=config.rows_per_step)
 
     def on_step_begin(self, step: int) -> None:
         pass
@@ -52,15 +59,27 @@ class LoopHooks:
             save=bool(c.save_steps) and step % c.save_steps == 0,
         )
 
-    def checkpoint_state(self) -> dict:
-        """The front end's own state to keep in a checkpoint (JSON-serialisable)."""
-        return {}
+    def trainer_state(self, loop: "TrainingLoop", step: int):
+        """The front end's `transformers.TrainerState` after `step` steps, for a checkpoint."""
+        state = self.state
+        state.global_step, state.max_steps, state.num_input_tokens_seen = step, loop.end_step, loop.tokens_seen
+        state.epoch = loop.epoch(step)
+        state.num_train_epochs = math.ceil(loop.epoch(loop.end_step) or 0)
+        return state
+
+    def resumed_from(self, checkpoint: Path) -> None:
+        """A checkpoint was loaded: continue its TrainerState (log history included)."""
+        from transformers import TrainerState
+
+        from .checkpoint.checkpoints import TRAINER_STATE
+
+        self.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
 
     def on_log(self, record: dict) -> None:
-        pass
+        self.state.log_history.append(dict(record))
 
     def on_evaluate(self, results: dict) -> None:
-        pass
+        self.state.log_history.append(dict(results))
 
     def on_save(self, path: Path) -> None:
         pass
@@ -130,8 +149,9 @@ class TrainingLoop:
         self.report_to = config.report_to if report_to is None else report_to
         self.progress_bar = progress_bar and layout.is_main
         self.start_step, self.tokens_seen = 0, 0
-        self.checkpoint_state: dict = {}  # what the checkpoint resumed from holds (trainer_state.json)
+        self.checkpoint_state: dict = {}  # what the checkpoint resumed from holds (pipeline_state.json)
         self.last_record: dict = {}
+        self.last_eval: dict | None = None  # the latest evaluation (kept in checkpoints, for their card)
         self.final_eval: dict | None = None
         self.end_step = config.max_steps
         self.terminated_at: int | None = None  # the step after which a SIGTERM ended the run
@@ -151,7 +171,10 @@ class TrainingLoop:
         self.checkpoint_state = load_checkpoint(self.engine, self.layout, path)
         self.start_step, self.tokens_seen = self.checkpoint_state["step"], self.checkpoint_state["tokens_seen"]
         self.engine.guard.load_state_dict(self.checkpoint_state.get("nonfinite", {}))
+        self.last_record = self.checkpoint_state.get("last_record") or {}
+        self.last_eval = self.checkpoint_state.get("last_eval")
         self.engine.resume_after(self.start_step)
+        self.hooks.resumed_from(path)
         # A stream continues from its saved position; every rank learns if rank 0's is refused.
         positions = read_data_positions(path)
         replayed = load_main_process_first(self.layout, lambda: self.data.sampler.resume(self.start_step, positions))
@@ -262,16 +285,26 @@ class TrainingLoop:
                                              self.layout.dp_rank, self.layout.dp_size)}
         if self.layout.is_main:
             self._publish(results)
+        self.last_eval = results
         return results
 
+    def epoch(self, step: int) -> float | None:
+        """Passes over the training data after `step` steps (None for a stream: its length is unknown)."""
+        per_epoch = getattr(self.data.sampler, "steps_per_epoch", None)
+        return step / per_epoch if per_epoch else None
+
     def save(self, step: int) -> Path:
-        """A training checkpoint after `step` steps (collective), with the front end's own state."""
+        """A training checkpoint after `step` steps (collective): the engine's state, the front end's
+        TrainerState, the model's config and tokenizer, and what the run's card is made of."""
         from .checkpoint.checkpoints import save_checkpoint
 
-        state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
-                 "nonfinite": self.engine.guard.state_dict(), **self.hooks.checkpoint_state()}
-        return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, state,
-                               self.config.save_total_limit, data_position=self.data.sampler.position(step))
+        run_state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
+                     "nonfinite": self.engine.guard.state_dict(), "last_record": self.last_record,
+                     "last_eval": self.last_eval, "data_description": self.data_description}
+        trainer_state = dataclasses.asdict(self.hooks.trainer_state(self, step))
+        return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, run_state,
+                               self.config.save_total_limit, trainer_state, self.model_config, self.tokenizer,
+                               data_position=self.data.sampler.position(step))
 
     def close(self) -> None:
         """Close the metrics file and trackers and draw the loss curves (main process)."""
@@ -290,22 +323,18 @@ class TrainingLoop:
     # --- what the run leaves ---------------------------------------------------------------------
 
     def model_card(self, repo_id: str | None) -> str:
-        from .hub import eval_results, model_card_facts, render_model_card
+        from .hub import run_model_card
 
-        layout = self.layout
-        facts = model_card_facts(self.config, self.model_config, (layout.pp_size, layout.dp_size), self.last_record,
-                                 self.engine.spec, data_description=self.data_description)
-        name = repo_id.split("/")[-1] if repo_id else Path(self.config.output_dir).name
-        results = eval_results(self.final_eval, facts["data"]["name"]) if self.final_eval else None
-        return render_model_card(facts, name, repo_id=repo_id, eval_results=results).content
+        return run_model_card(self.config, self.model_config, (self.layout.pp_size, self.layout.dp_size),
+                              self.engine.spec, self.last_record, self.final_eval, self.data_description, repo_id)
 
     def export(self, out_dir: str | Path, repo_id: str | None = None) -> Path:
         """The HF model (safetensors, config, tokenizer, model card) in `out_dir` (collective)."""
-        from .checkpoint import export_hf_model
+        from .checkpoint import export_dtype, export_hf_model
 
         card = self.model_card(repo_id) if self.layout.is_main else None
         out = export_hf_model(self.engine.stage_state_dict(), self.layout, self.model_config, self.tokenizer,
-                              Path(out_dir), self.config.max_shard_size, card)
+                              Path(out_dir), self.config.max_shard_size, card, export_dtype(self.config.export_dtype))
         if self.layout.is_main:
             print(f"[hf_asyncpp] saved {out}")
         return out

@@ -12,7 +12,8 @@ log, evaluate and save (DefaultFlowCallback, and any `TrainerControl` a user cal
 an early stop); log_history holds the train loss (mean since the last log, as Trainer logs it), the
 aux loss beside it, grad norm and learning rate, and eval_loss / eval_perplexity; `report_to`
 reaches the usual integration callbacks; checkpoints are the pipeline's (sharded, every rank) in
-output_dir/checkpoint-<step>, with the log history in them; `save_model` writes the HF export
+output_dir/checkpoint-<step>, with the Trainer's state in trainer_state.json (log history, callbacks'
+states; `TrainerState.load_from_json` reads it); `save_model` writes the HF export
 (output_dir/final unless told otherwise) and the card describes what was really done (pretraining
 from scratch, the optimizer, the schedule). Gradient clipping is by the global norm over all stages
 and dp ranks for synchronous schedules; asynchronous ones clip each stage by its own norm (a
@@ -115,8 +116,29 @@ class _TrainerHooks(LoopHooks):
         t = self.trainer
         t.control = t.callback_handler.on_save(t.args, t.state, t.control)
 
-    def checkpoint_state(self) -> dict:
-        return {"log_history": self.trainer.state.log_history}
+    def trainer_state(self, loop, step: int):
+        """The Trainer's own state, with its callbacks' (EarlyStoppingCallback's patience, TrainerControl)
+        as Trainer saves them."""
+        from transformers import TrainerState
+        from transformers.trainer_callback import ExportableState
+
+        t = self.trainer
+        exportable = [cb for cb in t.callback_handler.callbacks + [t.control] if isinstance(cb, ExportableState)]
+        t.state.stateful_callbacks = TrainerState(stateful_callbacks=exportable).stateful_callbacks
+        return t.state
+
+    def resumed_from(self, checkpoint: Path) -> None:
+        """The checkpoint's TrainerState replaces the Trainer's, and its callbacks' states are restored,
+        as Trainer does when it resumes."""
+        from transformers import TrainerState
+
+        from .checkpoint.checkpoints import TRAINER_STATE
+
+        t = self.trainer
+        state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
+        state.is_world_process_zero, state.is_local_process_zero = t.state.is_world_process_zero, t.state.is_local_process_zero
+        t.state = state
+        t._load_callback_state()
 
 
 class AsyncPPTrainer(Trainer):
@@ -201,10 +223,9 @@ class AsyncPPTrainer(Trainer):
                                               model.config.vocab_size)
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(str(err)) from None
-        blocks = getattr(data.sampler, "blocks", None)  # None for a streamed train set
-        self.steps_per_epoch = blocks.shape[0] / (config.rows_per_step * dp_size) if blocks is not None else math.inf
+        self.steps_per_epoch = getattr(data.sampler, "steps_per_epoch", math.inf)  # a stream's is unknown
         if args.max_steps <= 0:
-            if blocks is None:
+            if self.steps_per_epoch == math.inf:
                 raise ConfigError("a streamed train_dataset has no length: set max_steps")
             config.max_steps = max(1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
         config.warmup_steps = args.get_warmup_steps(config.max_steps)
@@ -243,7 +264,7 @@ class AsyncPPTrainer(Trainer):
 
         if self._trained:
             raise RuntimeError("this AsyncPPTrainer has trained already; build a new one to train again")
-        loop, args, state = self.loop, self.args, self.state
+        loop, args = self.loop, self.args
         if resume_from_checkpoint:
             where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             try:
@@ -253,8 +274,8 @@ class AsyncPPTrainer(Trainer):
                 verify_checkpoint(found)
             except (CheckpointError, OSError, ValueError) as err:
                 raise ConfigError(str(err)) from None
-            loop.resume(where)
-            state.log_history = list(loop.checkpoint_state.get("log_history", []))
+            loop.resume(where)  # the checkpoint's TrainerState becomes self.state (_TrainerHooks.resumed_from)
+        state = self.state
         state.max_steps = loop.end_step
         state.compute_steps(args, loop.end_step)
         state.global_step = loop.start_step

@@ -76,6 +76,8 @@ BAD_INPUTS = {
         ["--schedule", "wpipe", "--eval_fraction", "0.1", "--eval_steps", "2"], 2,
         "evaluations during training .* are not supported for schedule 'wpipe'"),
     "negative save_steps": (["--save_steps", "-1"], 2, "save_steps must be >= 0"),
+    "an export dtype the exports cannot write": (["--export_dtype", "float16"], 2,
+                                                 "export_dtype: unknown export dtype 'float16'; choose float32"),
     "resume from a directory that is not a checkpoint": (
         ["--resume_from_checkpoint", "/nonexistent/run/checkpoint-5"], 2, "is not a complete checkpoint"),
     "unknown non-finite policy": (["--nonfinite_policy", "ignore"], 2, "unknown nonfinite_policy 'ignore'"),

@@ -92,8 +92,14 @@ def test_the_trainer_and_train_py_share_one_engine_and_a_trainer_run_resumes_and
     assert _losses(straight, "eval_loss") == script_evals == pytest.approx({3: script_evals[3], 6: script_evals[6]})
     assert all("aux_loss" in r and "grad_norm" in r and "learning_rate" in r for r in straight if "loss" in r)
 
-    # Saved at save_steps (3 and 6); resumed in a new launch from step 3: identical losses after it.
-    assert (tmp_path / "trainer" / "checkpoint-3" / "manifest.json").is_file()
+    # Saved at save_steps (3 and 6), with the Trainer's own state as transformers.Trainer writes it;
+    # resumed in a new launch from step 3: identical losses after it.
+    from transformers import TrainerState
+
+    saved = TrainerState.load_from_json(str(tmp_path / "trainer" / "checkpoint-3" / "trainer_state.json"))
+    assert (saved.global_step, saved.max_steps, saved.train_batch_size, saved.epoch) == (3, STEPS, MBS * M, 3 / 8)
+    assert _losses(saved.log_history) == {k: v for k, v in trainer_losses.items() if k <= 3}
+    assert list(_losses(saved.log_history, "eval_loss")) == [3] and "TrainerControl" in saved.stateful_callbacks
     resumed = _trainer_run(corpus, tmp_path / "trainer", "--resume", str(tmp_path / "trainer" / "checkpoint-3"))
     assert resumed["global_step"] == STEPS
     assert _losses(resumed["log_history"]) == trainer_losses  # steps 1-3 from the checkpoint, 4-6 recomputed
