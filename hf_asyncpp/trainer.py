@@ -25,11 +25,12 @@ import atexit
 import dataclasses
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 from transformers import Trainer
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from .config import ConfigError, check_model_fits, check_settings, check_step_boundaries
 from .loop import LoopHooks, StepDecision, TrainingLoop
@@ -71,15 +72,39 @@ def _describe(train_dataset, eval_dataset) -> str:
     return text
 
 
-class _TrainerHooks(LoopHooks):
-    """The loop's decisions and events, answered by the Trainer's callbacks and state."""
+def _mean(values: list[float], finite_only: bool) -> float:
+    """The logged mean; `finite_only` (logging_nan_inf_filter) leaves out non-finite values, as Trainer
+    does, unless none is finite."""
+    kept = [v for v in values if math.isfinite(v)] if finite_only else values
+    return sum(kept or values) / len(kept or values)
 
-    def __init__(self, trainer: "AsyncPPTrainer"):
+
+class _TrainerHooks(LoopHooks):
+    """The loop's decisions and events, answered by the Trainer's callbacks and state.
+
+    An epoch is the train blocks once over (`rows_per_epoch`), at `rows_per_step` rows a step on all dp
+    ranks together (data/samplers.py: a step may straddle two epochs; it ends the first). Epoch events
+    fire at the step that reads an epoch's last block, and at the run's last step, as Trainer fires
+    them when an epoch's batches or max_steps run out. The loop reads a StepDecision's `save` and
+    `stop` after the step's evaluation, so an evaluation can still decide them (save_strategy "best",
+    an EarlyStoppingCallback)."""
+
+    def __init__(self, trainer: "AsyncPPTrainer", rows_per_epoch: int | None, rows_per_step: int):
         self.trainer = trainer
+        self.rows_per_epoch, self.rows_per_step = rows_per_epoch, rows_per_step
         self.since_last_log: list = []  # StepResults not yet in a logged mean
+        self.decision: StepDecision | None = None  # the decision of the step in progress
+
+    def ends_epoch(self, steps_done: int) -> bool:
+        if not self.rows_per_epoch or steps_done == 0:
+            return False
+        epochs = lambda steps: steps * self.rows_per_step // self.rows_per_epoch  # noqa: E731
+        return epochs(steps_done) > epochs(steps_done - 1)
 
     def on_step_begin(self, step: int) -> None:
         t = self.trainer
+        if step == t.loop.start_step or self.ends_epoch(step):
+            t.control = t.callback_handler.on_epoch_begin(t.args, t.state, t.control)
         t.control = t.callback_handler.on_step_begin(t.args, t.state, t.control)
 
     def after_step(self, result, last_step: int) -> StepDecision:
@@ -89,34 +114,66 @@ class _TrainerHooks(LoopHooks):
         t.state.epoch = result.step / t.steps_per_epoch
         t.state.num_input_tokens_seen = t.loop.tokens_seen
         t.control = t.callback_handler.on_step_end(t.args, t.state, t.control)
+        if self.ends_epoch(result.step) or result.step == last_step:
+            t.control = t.callback_handler.on_epoch_end(t.args, t.state, t.control)
         c = t.control
-        decision = StepDecision(log=c.should_log, evaluate=c.should_evaluate, save=c.should_save,
-                                stop=c.should_training_stop)
+        self.decision = StepDecision(log=c.should_log, evaluate=c.should_evaluate, save=c.should_save,
+                                     stop=c.should_training_stop)
         c.should_log = c.should_evaluate = c.should_save = False
-        return decision
+        return self.decision
 
     def on_log(self, record: dict) -> None:
         window, self.since_last_log = self.since_last_log, []
-        self.trainer.log({
-            "loss": sum(r.loss for r in window) / len(window),
-            "aux_loss": sum(r.aux_loss for r in window) / len(window),
+        args, finite_only = self.trainer.args, self.trainer.args.logging_nan_inf_filter
+        logs = {
+            "loss": _mean([r.loss for r in window], finite_only),
+            "aux_loss": _mean([r.aux_loss for r in window], finite_only),
             "grad_norm": record["grad_norm"],
             "learning_rate": record["lr"],
             "tokens_per_second": record["tokens_per_s"],
-        })
+        }
+        if args.include_num_input_tokens_seen not in ("no", False):
+            logs["num_input_tokens_seen"] = record["tokens"]
+        self.trainer.log(logs)
 
     def on_evaluate(self, results: dict) -> None:
+        """Log, the callbacks' on_evaluate, then the best metric (Trainer's order: EarlyStoppingCallback
+        compares with the best before this evaluation)."""
         t = self.trainer
         metrics = {k: v for k, v in results.items() if k.startswith("eval_")}
         t.log(metrics)
         t.control = t.callback_handler.on_evaluate(t.args, t.state, t.control, metrics=metrics)
+        is_new_best = t._determine_best_metric(metrics, None)  # transformers' own rule
+        self._note_best_checkpoint()
+        if self.decision is not None:
+            if t.args.save_strategy == "best":
+                self.decision.save = is_new_best
+            self.decision.stop = self.decision.stop or t.control.should_training_stop
+
+    def _note_best_checkpoint(self) -> None:
+        """state.best_model_checkpoint: checkpoint-<best_global_step>, once it exists (Trainer's rule)."""
+        state = self.trainer.state
+        if state.best_global_step:
+            best = Path(self.trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"
+            if best.is_dir():
+                state.best_model_checkpoint = str(best)
 
     def on_save(self, path: Path) -> None:
         t = self.trainer
+        self._note_best_checkpoint()
+        if t.args.push_to_hub and t.args.hub_strategy == "every_save":
+            progress = f"step {t.state.global_step}" if t.args.save_strategy == "steps" else f"epoch {int(t.state.epoch)}"
+            try:
+                t.push_to_hub(commit_message=f"Training in progress, {progress}")
+            except Exception as err:  # noqa: BLE001 — an upload failing mid-run must not end it on rank 0 alone
+                print(f"[hf_asyncpp] warning: pushing {PREFIX_CHECKPOINT_DIR}-{t.state.global_step}'s export failed "
+                      f"({type(err).__name__}: {err}); training continues", file=sys.stderr)
         t.control = t.callback_handler.on_save(t.args, t.state, t.control)
 
     def checkpoint_state(self) -> dict:
-        return {"log_history": self.trainer.state.log_history}
+        state = self.trainer.state
+        return {"log_history": state.log_history, "best_metric": state.best_metric,
+                "best_global_step": state.best_global_step, "best_model_checkpoint": state.best_model_checkpoint}
 
 
 class AsyncPPTrainer(Trainer):
@@ -181,10 +238,11 @@ class AsyncPPTrainer(Trainer):
                               f"{model_config.vocab_size}")
         check_model_fits(config, model_config)
         spec = get_schedule_spec(config.schedule)
-        if args.save_strategy == "steps":
+        if args.save_strategy != "no":
             check_step_boundaries(spec, dataclasses.replace(config, save_steps=1), "training checkpoints")
-        if args.eval_strategy == "steps":
-            check_step_boundaries(spec, config, "evaluations during training (eval_strategy 'steps'; the final one works)")
+        if args.eval_strategy != "no":
+            check_step_boundaries(spec, config, f"evaluations during training (eval_strategy '{args.eval_strategy.value}'; "
+                                                "the final one works)")
         return config
 
     def _prepare_data(self, args, config, model, train_dataset, eval_dataset, tokenizer):
@@ -202,7 +260,12 @@ class AsyncPPTrainer(Trainer):
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(str(err)) from None
         blocks = getattr(data.sampler, "blocks", None)  # None for a streamed train set
+        self.rows_per_epoch = blocks.shape[0] if blocks is not None else None  # the blocks of all dp ranks
         self.steps_per_epoch = blocks.shape[0] / (config.rows_per_step * dp_size) if blocks is not None else math.inf
+        epochal = [k for k in ("logging_strategy", "eval_strategy", "save_strategy") if getattr(args, k) == "epoch"]
+        if blocks is None and epochal:
+            raise ConfigError(f"{', '.join(epochal)} 'epoch' needs epochs, but a streamed train_dataset has no length: "
+                              "use 'steps'")
         if args.max_steps <= 0:
             if blocks is None:
                 raise ConfigError("a streamed train_dataset has no length: set max_steps")
@@ -220,8 +283,9 @@ class AsyncPPTrainer(Trainer):
         layout = init_parallel(read_launch(), config.pp_size, config.comm_timeout_s)
         engine = PipelineEngine(config, model.config, layout, model=model)
         atexit.register(self._shutdown)
-        return TrainingLoop(config, model.config, layout, engine, data, tokenizer, hooks=_TrainerHooks(self),
-                            report_to=[], progress_bar=False)
+        hooks = _TrainerHooks(self, self.rows_per_epoch, config.rows_per_step * layout.dp_size)
+        return TrainingLoop(config, model.config, layout, engine, data, tokenizer, hooks=hooks, report_to=[],
+                            progress_bar=False)
 
     def _shutdown(self) -> None:
         """Tear the process group down at exit after a completed run (gloo can abort otherwise); after a
@@ -255,6 +319,8 @@ class AsyncPPTrainer(Trainer):
                 raise ConfigError(str(err)) from None
             loop.resume(where)
             state.log_history = list(loop.checkpoint_state.get("log_history", []))
+            for key in ("best_metric", "best_global_step", "best_model_checkpoint"):
+                setattr(state, key, loop.checkpoint_state.get(key))
         state.max_steps = loop.end_step
         state.compute_steps(args, loop.end_step)
         state.global_step = loop.start_step
@@ -300,6 +366,8 @@ class AsyncPPTrainer(Trainer):
             raise ValueError(f"save_model would replace {out}, which holds the run's checkpoints; "
                              "export into a subdirectory (default: final/)")
         self.loop.export(out, self.args.hub_model_id)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(self, model_name: str | None = None, **kwargs) -> None:
         """The card of the export in output_dir/final (the loop's, not Trainer's fine-tuning draft)."""
@@ -311,18 +379,20 @@ class AsyncPPTrainer(Trainer):
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None,
                     **kwargs) -> str | None:
-        """Export to output_dir/final and upload it to args.hub_model_id (collective; the commit URL on
-        the main process, None elsewhere)."""
+        """Export to output_dir/final and upload it to args.hub_model_id, on the branch `revision`
+        (default: args.hub_revision, else main; created if missing). Collective; the commit URL on the
+        main process, None elsewhere."""
         from .hub import push_to_hub
 
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        self.save_model()
+        self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
         repo_id = self.args.hub_model_id or Path(self.args.output_dir).name
         return push_to_hub(Path(self.args.output_dir) / "final", repo_id, token=token or self.args.hub_token,
                            private=bool(private if private is not None else self.args.hub_private_repo),
-                           commit_message=commit_message or "End of training")
+                           commit_message=commit_message or "End of training",
+                           revision=revision if revision is not None else self.args.hub_revision)
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Nothing at construction: push_to_hub creates the repository when it uploads."""
