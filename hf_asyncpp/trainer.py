@@ -8,12 +8,14 @@
 Every process of the launch (accelerate launch / torchrun) builds the same model and Trainer; the
 Trainer cuts the model into this rank's stages and drives the same `TrainingLoop` and
 `PipelineEngine` as train.py. What Trainer users rely on maps onto it: the callbacks decide when to
-log, evaluate and save (DefaultFlowCallback, and any `TrainerControl` a user callback sets, including
-an early stop); log_history holds the train loss (mean since the last log, as Trainer logs it), the
+log, evaluate and save (DefaultFlowCallback with "steps", "epoch" or "best", and any `TrainerControl`
+a user callback sets, including EarlyStoppingCallback's stop); epoch events fire at the step that ends
+an epoch; state.best_metric and best_model_checkpoint are set as Trainer sets them; log_history holds the train loss (mean since the last log, as Trainer logs it), the
 aux loss beside it, grad norm and learning rate, and eval_loss / eval_perplexity; `report_to`
 reaches the usual integration callbacks; checkpoints are the pipeline's (sharded, every rank) in
 output_dir/checkpoint-<step>, with the log history in them; `save_model` writes the HF export
-(output_dir/final unless told otherwise) and the card describes what was really done (pretraining
+(output_dir/final unless told otherwise), pushed as Trainer pushes (push_to_hub, hub_strategy end /
+every_save, hub_revision), and the card describes what was really done (pretraining
 from scratch, the optimizer, the schedule). Gradient clipping is by the global norm over all stages
 and dp ranks for synchronous schedules; asynchronous ones clip each stage by its own norm (a
 pipeline-wide norm would make every stage wait for all others each step).

@@ -2,15 +2,16 @@
 
 The arguments become a `TrainConfig` (config.py) at construction, so a bad value (unknown pipeline
 key, wrong type, negative learning rate, unknown schedule or optimizer, …) raises one `ConfigError`
-before TrainingArguments sets up devices and before any process group starts. What the Trainer
-fields mean for the pipeline:
+before TrainingArguments sets up devices and before any process group starts. Every field of
+TrainingArguments is in `HONOURED` (works as in transformers.Trainer; how, in brief) or `REFUSED`
+(any value but the default is that ConfigError); docs/training_arguments.md lists both. In brief:
 
 - per_device_train_batch_size is the microbatch size; n_microbatches microbatches make one step on
   each dp rank (the role gradient_accumulation_steps plays in Trainer, which must stay 1);
-- learning_rate, weight_decay, adam_beta2, max_grad_norm, lr_scheduler_type, warmup_steps, max_steps
-  (or num_train_epochs), seed, logging/eval/save steps, save_total_limit and hub_model_id keep their
-  meaning; `momentum` (default: adam_beta1) is the optimizer's first-moment / momentum coefficient;
-- bf16 turns on bf16 compute with fp32 master weights; fp16 is refused;
+- `optim` names map onto the pipeline's optimizers (`optimizer` names them too; the two must agree);
+  `momentum` (default: adam_beta1) is the optimizer's first-moment / momentum coefficient;
+- bf16 turns on bf16 compute with fp32 master weights; accelerate launch's mixed_precision is
+  honoured or a contradiction refused (config.apply_launch_settings);
 - torch_compile compiles each decoder layer (`compile_layers`), not the whole model;
 - report_to defaults to tensorboard.
 """

@@ -111,3 +111,31 @@ def test_accelerate_launchs_mixed_precision_contradicted_is_refused(launcher, as
     with pytest.raises(ConfigError, match=message):
         _args(tmp_path, **asked)
     assert not (tmp_path / "out").exists()
+
+
+# --- docs/training_arguments.md lists both, generated from them -----------------------------------
+
+DOC = "docs/training_arguments.md"
+BEGIN, END = "<!-- generated from trainer_args.HONOURED / REFUSED: python -m tests.test_trainer_args -->", "<!-- end -->"
+
+
+def generated_tables() -> str:
+    rows = lambda table: "\n".join(f"| `{name}` | {text} |" for name, text in sorted(table.items()))  # noqa: E731
+    return (f"{BEGIN}\n\n### Honoured\n\n| field | how |\n|---|---|\n{rows(HONOURED)}\n\n"
+            f"### Refused (any value but the default)\n\n| field | why |\n|---|---|\n{rows(REFUSED)}\n\n{END}")
+
+
+def test_the_reference_lists_every_field_as_the_code_does():
+    from pathlib import Path
+
+    text = Path(DOC).read_text()
+    assert text[text.index(BEGIN):text.index(END) + len(END)] == generated_tables(), \
+        "docs/training_arguments.md is out of date: run python -m tests.test_trainer_args"
+
+
+if __name__ == "__main__":  # rewrite the generated part of the reference
+    from pathlib import Path
+
+    path = Path(DOC)
+    text = path.read_text()
+    path.write_text(text[:text.index(BEGIN)] + generated_tables() + text[text.index(END) + len(END):])
