@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -160,6 +161,45 @@ def test_epoch_events_best_metric_early_stopping_and_a_push_at_every_save(corpus
     assert {"config.json", "model.safetensors", "README.md"} <= set(hub.received["team/epochs"])
 
 
+def _train_saving_the_best(rank, world_size, corpus, out):
+    """A rank target: a one-rank Trainer run with save_strategy "best", evaluating every step."""
+    from datasets import load_dataset
+    from transformers import AutoConfig
+
+    from hf_asyncpp import AsyncPPTrainer, AsyncPPTrainingArguments
+    from hf_asyncpp.models import build_model
+    from hf_asyncpp.parallel.mesh import shutdown_parallel
+
+    args = AsyncPPTrainingArguments(
+        output_dir=str(out), schedule="1f1b", pp_size=1, n_microbatches=2, per_device_train_batch_size=2,
+        learning_rate=0.05, max_steps=8, logging_steps=1, eval_strategy="steps", eval_steps=1, save_strategy="best",
+        metric_for_best_model="loss", report_to="none", seed=5)
+    trainer = AsyncPPTrainer(model=build_model(AutoConfig.from_pretrained(corpus / "model"), 5), args=args,
+                             train_dataset=load_dataset("json", data_files=str(corpus / "train.jsonl"), split="train"),
+                             eval_dataset=load_dataset("json", data_files=str(corpus / "eval.jsonl"), split="train"))
+    trainer.train()
+    shutdown_parallel()
+    state = trainer.state
+    return state.log_history, state.best_global_step, state.best_model_checkpoint
+
+
+@pytest.mark.multirank
+def test_save_strategy_best_saves_after_the_evaluations_that_improve_the_metric(corpus, tmp_path):
+    """Trainer's rule: a checkpoint follows each evaluation during training whose eval_loss is below
+    every earlier one; the run (random tokens, a large learning rate) has evaluations that do not."""
+    from tests.ranks import run_ranks
+
+    [(history, best_step, best_checkpoint)] = run_ranks(1, _train_saving_the_best, corpus, tmp_path / "best")
+    evals = _losses(history, "eval_loss")
+    assert sorted(evals) == list(range(1, 9))  # 8: the evaluation that ends the run, after the last step
+    improving = [s for s in range(1, 8) if evals[s] < min([evals[t] for t in range(1, s)], default=math.inf)]
+    assert 1 < len(improving) < 7, evals  # the test's premise: some evaluations improve, some do not
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "best").glob("checkpoint-*"))
+    assert saved == improving
+    assert best_step == min(evals, key=evals.get)
+    assert best_checkpoint == (str(tmp_path / "best" / f"checkpoint-{best_step}") if best_step in saved else None)
+
+
 # --- bad input: one ConfigError, no process group, nothing written ---------------------------------
 
 def _dataset(rows):
@@ -240,12 +280,16 @@ def _bad_trainers(tmp_path):
         "evaluation without an evaluation set": (
             dict(model=_model(), args=_args(out, eval_strategy="steps", eval_steps=1), train_dataset=_dataset(_rows())),
             "no eval_dataset"),
+        "epochs of a stream": (
+            dict(model=_model(), args=_args(out, logging_strategy="epoch"),
+                 train_dataset=_dataset(_rows()).to_iterable_dataset()),
+            "logging_strategy 'epoch' needs epochs, but a streamed train_dataset has no length"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing dataset", "tokenizer larger than the model's vocabulary",
                                   "token ids beyond the vocabulary", "rows longer than the model's positions",
-                                  "evaluation without an evaluation set"])
+                                  "evaluation without an evaluation set", "epochs of a stream"])
 def test_a_bad_trainer_fails_with_one_message_before_any_process_group(case, tmp_path):
     import torch.distributed as dist
 

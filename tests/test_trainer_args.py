@@ -139,3 +139,12 @@ if __name__ == "__main__":  # rewrite the generated part of the reference
     path = Path(DOC)
     text = path.read_text()
     path.write_text(text[:text.index(BEGIN)] + generated_tables() + text[text.index(END) + len(END):])
+
+
+def test_the_pipelines_mixed_precision_survives_trainingarguments_own_reading(tmp_path, monkeypatch):
+    """TrainingArguments replaces `mixed_precision` by accelerate's reading of it ("no" here); the
+    Trainer builds its config again later (with the datasets' seq_len), and must still see ours."""
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    args = _args(tmp_path, mixed_precision="bf16")
+    assert args.mixed_precision == "no"  # what accelerate's Accelerator is given
+    assert args.to_train_config(seq_len=16).mixed_precision == "bf16"

@@ -57,3 +57,22 @@ def test_the_launch_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_MEGATRON_LM", "true")
     with pytest.raises(LaunchError, match="Megatron-LM"):
         read_launch()
+
+
+@pytest.mark.multirank
+def test_under_accelerate_launch_a_contradicted_mixed_precision_stops_both_ranks_with_one_line(tmp_path):
+    """accelerate launch's own --mixed_precision (as its config's key would) reaches the ranks; the
+    run's config says no: exit status 2 from every rank, one error line (rank 0's), nothing written."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    cmd = ["accelerate", "launch", "--config_file", "training_scripts/accelerate/cpu_2proc.yaml", "--mixed_precision",
+           "bf16", "training_scripts/train.py", "--config", TINY, "--mixed_precision", "no", "--output_dir", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: accelerate launch asks for mixed_precision bf16 but the run's mixed_precision is no: "
+                     "make the accelerate config and the run's config agree"], done.stderr[-2000:]
+    assert not out.exists()
