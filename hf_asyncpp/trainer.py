@@ -100,8 +100,8 @@ class _TrainerHooks(LoopHooks):
     def ends_epoch(self, steps_done: int) -> bool:
         if not self.rows_per_epoch or steps_done == 0:
             return False
-        epochs = lambda steps: steps * self.rows_per_step // self.rows_per_epoch  # noqa: E731
-        return epochs(steps_done) > epochs(steps_done - 1)
+        rows, per_epoch = self.rows_per_step, self.rows_per_epoch
+        return steps_done * rows // per_epoch > (steps_done - 1) * rows // per_epoch  # epochs completed grew
 
     def on_step_begin(self, step: int) -> None:
         t = self.trainer
@@ -369,7 +369,8 @@ class AsyncPPTrainer(Trainer):
                              "export into a subdirectory (default: final/)")
         self.loop.export(out, self.args.hub_model_id)
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            self.callback_handler.on_push_begin(self.args, self.state, self.control)
+            self._upload(out, "Model save")
 
     def create_model_card(self, model_name: str | None = None, **kwargs) -> None:
         """The card of the export in output_dir/final (the loop's, not Trainer's fine-tuning draft)."""
@@ -384,16 +385,22 @@ class AsyncPPTrainer(Trainer):
         """Export to output_dir/final and upload it to args.hub_model_id, on the branch `revision`
         (default: args.hub_revision, else main; created if missing). Collective; the commit URL on the
         main process, None elsewhere."""
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        out = Path(self.args.output_dir) / "final"
+        self.save_model(str(out), _internal_call=True)
+        return self._upload(out, commit_message or "End of training", token, revision, private)
+
+    def _upload(self, folder: Path, commit_message: str, token: str | None = None, revision: str | None = None,
+                private: bool | None = None) -> str | None:
+        """The export in `folder` to the Hub from the main process (the commit URL; None elsewhere)."""
         from .hub import push_to_hub
 
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
         repo_id = self.args.hub_model_id or Path(self.args.output_dir).name
-        return push_to_hub(Path(self.args.output_dir) / "final", repo_id, token=token or self.args.hub_token,
+        return push_to_hub(folder, repo_id, token=token or self.args.hub_token,
                            private=bool(private if private is not None else self.args.hub_private_repo),
-                           commit_message=commit_message or "End of training",
+                           commit_message=commit_message,
                            revision=revision if revision is not None else self.args.hub_revision)
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:

@@ -7,6 +7,10 @@
   and a card that says what was done.
 - A callback's stop ends an asynchronous pipeline one step later, drained (its next minibatch was
   already in flight); report_to tensorboard reaches transformers' TensorBoardCallback.
+- Epoch strategies log, evaluate and save at the steps that end epochs; best_metric and
+  best_model_checkpoint are set as Trainer sets them, so EarlyStoppingCallback stops a run and
+  save_strategy "best" saves after improving evaluations; push_to_hub pushes at every save, to
+  hub_revision, and push_to_hub(revision=) to its branch.
 - Bad input is one ConfigError before any process group starts, with nothing written.
 """
 
