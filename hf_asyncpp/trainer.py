@@ -198,6 +198,8 @@ class AsyncPPTrainer(Trainer):
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy is '{args.eval_strategy.value}' but there is no eval_dataset: "
                               "pass eval_dataset or set eval_strategy to 'no'")
+        if args.eval_on_start and eval_dataset is None:
+            raise ConfigError("eval_on_start is set but there is no eval_dataset: pass eval_dataset")
         config = self._config_for(args, model.config, train_dataset, eval_dataset, processing_class)
         data = self._prepare_data(args, config, model, train_dataset, eval_dataset, processing_class)
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -242,9 +244,9 @@ class AsyncPPTrainer(Trainer):
         spec = get_schedule_spec(config.schedule)
         if args.save_strategy != "no":
             check_step_boundaries(spec, dataclasses.replace(config, save_steps=1), "training checkpoints")
-        if args.eval_strategy != "no":
-            check_step_boundaries(spec, config, f"evaluations during training (eval_strategy '{args.eval_strategy.value}'; "
-                                                "the final one works)")
+        if args.eval_strategy != "no" or args.eval_on_start:
+            check_step_boundaries(spec, config, f"evaluations during training (eval_strategy '{args.eval_strategy.value}'"
+                                                f"{', eval_on_start' if args.eval_on_start else ''}; the final one works)")
         return config
 
     def _prepare_data(self, args, config, model, train_dataset, eval_dataset, tokenizer):
@@ -331,6 +333,8 @@ class AsyncPPTrainer(Trainer):
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         start = time.time()
         with lost_peers_reported(loop.layout.rank, loop.config.comm_timeout_s):  # as train.py reports it
+            if args.eval_on_start:
+                self.evaluate()
             loop.run()
         self._trained = True
         if loop.terminated_at is not None:  # SIGTERM: the checkpoint is saved; the process ends as asked

@@ -140,7 +140,8 @@ def test_epoch_events_best_metric_early_stopping_and_a_push_at_every_save(corpus
     """64 train rows at 3 × 4 rows a step (pp 2, dp 1): an epoch is 5⅓ steps, so epochs end at the steps
     that read their last block, 6 and 11 (and 16). Logging, evaluation and saving follow the epochs; an
     EarlyStoppingCallback whose threshold no change reaches stops at the second evaluation (step 11),
-    which PipeDream-2BW drains at step 12, the last epoch event. best_metric is the lowest eval_loss,
+    which PipeDream-2BW drains at step 12, the last epoch event (eval_on_start's evaluation counts for
+    neither). best_metric is the lowest eval_loss,
     best_model_checkpoint its checkpoint; every save pushes to hub_revision, push_to_hub(revision=) to its own."""
     out = tmp_path / "epochs"
     with LoopbackHub() as hub:
@@ -148,16 +149,16 @@ def test_epoch_events_best_metric_early_stopping_and_a_push_at_every_save(corpus
         result = _trainer_run(corpus, out, "--push", "--push_revision", "release", "--early_stopping_threshold", "10",
                               env=env, per_device_train_batch_size=3, max_steps=-1, num_train_epochs=3,
                               logging_strategy="epoch", eval_strategy="epoch", save_strategy="epoch",
-                              metric_for_best_model="loss", push_to_hub=True, hub_strategy="every_save",
+                              eval_on_start=True, metric_for_best_model="loss", push_to_hub=True, hub_strategy="every_save",
                               hub_revision="dev", hub_model_id="team/epochs")
     history = result["log_history"]
     assert result["global_step"] == 12
     assert sorted(_losses(history)) == [6, 11, 12]
     assert [r["epoch"] for r in history if "loss" in r] == pytest.approx([6 * 12 / 64, 11 * 12 / 64, 12 * 12 / 64])
     evals = _losses(history, "eval_loss")
-    assert sorted(evals) == [6, 11, 12]  # 12: the evaluation that ends every run
+    assert sorted(evals) == [0, 6, 11, 12]  # 0: eval_on_start; 12: the evaluation that ends every run
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-11", "checkpoint-12", "checkpoint-6"]
-    best_step = min(evals, key=evals.get)
+    best_step = min((s for s in evals if s), key=evals.get)  # eval_on_start's is no candidate, as in Trainer
     assert result["best_metric"] == evals[best_step] and result["best_global_step"] == best_step
     assert result["best_model_checkpoint"] == str(out / f"checkpoint-{best_step}")
     progress = [("team/epochs", "dev", f"Training in progress, epoch {e}") for e in (1, 2, 2)]
