@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "check_step_boundaries", "config_from_values", "fit_to_one_process", "load_config", "validate_config"]
+__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "apply_launch_settings", "check_model_fits", "check_settings", "check_step_boundaries", "config_from_values", "fit_to_one_process", "load_config", "validate_config"]
 
 from .models.recompute import CHECKPOINTING_MODES
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
@@ -68,7 +68,8 @@ class TrainConfig:
     learning_rate: float = 1e-3
     momentum: float = 0.9  # SGD momentum; beta1 of Adam-type optimizers
     beta2: float = 0.95
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # decoupled; not on biases and norm weights (as transformers.Trainer)
+    adam_epsilon: float = 1e-8  # ε of AdamW, SOAP and Muon's AdamW part
     muon_lr_scale: str = "original"  # Muon's LR scale by matrix shape: original / match_rms_adamw
     muon_nesterov: bool = True
     muon_adamw_patterns: list[str] | None = None  # regexes of names Muon leaves to AdamW (None: defaults)
@@ -78,6 +79,7 @@ class TrainConfig:
     ef_lambda: float = 1.0
     max_grad_norm: float = 1.0  # 0 disables clipping
     lr_scheduler_type: str = "cosine"
+    lr_scheduler_kwargs: dict | None = None  # the schedule's own arguments (e.g. num_cycles, min_lr)
     warmup_steps: int = 0
     max_steps: int = 100
     seed: int = 42
@@ -135,6 +137,11 @@ def _coerce(key: str, value):
                     raise ValueError(value)
                 return value.lower() in ("true", "1", "yes")
             return bool(value)
+        if kind is dict:
+            value = yaml.safe_load(value) if isinstance(value, str) else value
+            if not isinstance(value, dict):
+                raise ValueError(value)
+            return dict(value)
         if kind is list:
             if isinstance(value, str):
                 value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
@@ -233,6 +240,44 @@ def check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
         raise ConfigError(f"{purpose} are not supported for schedule '{spec.name}': {err}") from None
 
 
+def _check_lr_schedule(config: TrainConfig) -> None:
+    """The schedule's name, and its lr_scheduler_kwargs tried on a one-parameter optimizer."""
+    import torch
+    from transformers.trainer_utils import SchedulerType
+
+    from .optim import lr_scheduler_from_config
+
+    schedulers = [s.value for s in SchedulerType if s.value not in _METRIC_SCHEDULES]
+    _require(config.lr_scheduler_type in schedulers,
+             f"unknown lr_scheduler_type '{config.lr_scheduler_type}'; available: {', '.join(schedulers)}"
+             + (" (a schedule stepped by an evaluation metric is not supported)"
+                if config.lr_scheduler_type in _METRIC_SCHEDULES else ""))
+    try:
+        lr_scheduler_from_config(config, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"lr_scheduler_kwargs {config.lr_scheduler_kwargs} do not fit lr_scheduler_type "
+                          f"'{config.lr_scheduler_type}': {err}") from None
+
+
+# Schedules that step on an evaluation metric, which the engine's per-update step does not have.
+_METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+
+
+def apply_launch_settings(config: TrainConfig, launch) -> None:
+    """What the launcher was told, honoured or refused: `accelerate launch`'s mixed_precision
+    (parallel/launch.py: LaunchInfo.mixed_precision) replaces mixed_precision "auto"; fp16 / fp8, or
+    a value the run's config contradicts, is a ConfigError."""
+    asked = launch.mixed_precision
+    if asked is None:
+        return
+    _require(asked in ("no", "bf16"), f"accelerate launch asks for mixed_precision {asked}; hf_asyncpp computes "
+             "in bf16 (fp32 master weights) or fp32: set mixed_precision to bf16 or no in the accelerate config")
+    if config.mixed_precision == "auto":
+        config.mixed_precision = asked
+    _require(config.mixed_precision == asked, f"accelerate launch asks for mixed_precision {asked} but the run's "
+             f"mixed_precision is {config.mixed_precision}: make the accelerate config and the run's config agree")
+
+
 def _check_resume(config: TrainConfig) -> None:
     from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
 
@@ -249,8 +294,6 @@ def check_settings(config: TrainConfig, world_size: int):
     """Every check that needs neither the model nor the data (ranges, names, the schedule, the
     checkpoint to resume). Returns the schedule's spec."""
     # Imported here: config parsing stays light, validation needs the model and schedule layers.
-    from transformers.trainer_utils import SchedulerType
-
     from .schedules import get_schedule_spec
 
     for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps",
@@ -323,11 +366,8 @@ def check_settings(config: TrainConfig, world_size: int):
     _check_resume(config)
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
     _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")
-    schedulers = [s.value for s in SchedulerType]
-    _require(
-        config.lr_scheduler_type in schedulers,
-        f"unknown lr_scheduler_type '{config.lr_scheduler_type}'; available: {', '.join(schedulers)}",
-    )
+    _require(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
+    _check_lr_schedule(config)
     try:
         spec = get_schedule_spec(config.schedule)
     except ValueError as err:

@@ -192,8 +192,9 @@ def checkpoint_model_card(run_state: dict, model_config, model_name: str) -> str
 
 
 def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, private: bool = False,
-                commit_message: str = "Upload model trained with hf_asyncpp") -> str:
-    """Create the repo if needed and upload every file of `folder`; returns the commit URL."""
+                commit_message: str = "Upload model trained with hf_asyncpp", revision: str | None = None) -> str:
+    """Create the repo (and the branch `revision`) if needed and upload every file of `folder` there;
+    returns the commit URL."""
     from huggingface_hub import HfApi
 
     folder = Path(folder)
@@ -201,5 +202,8 @@ def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, priv
         raise FileNotFoundError(f"{folder} is not an exported model directory (no config.json)")
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message)
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message,
+                             revision=revision)
     return str(getattr(info, "commit_url", info))

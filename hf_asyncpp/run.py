@@ -101,12 +101,13 @@ def train(config, model_config, launch) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse_args(argv)
-    from .config import ConfigError, fit_to_one_process, load_config, validate_config
+    from .config import ConfigError, apply_launch_settings, fit_to_one_process, load_config, validate_config
     from .parallel.launch import LaunchError, read_launch
 
     try:
         config = load_config(args.config, overrides)
         launch = read_launch()
+        apply_launch_settings(config, launch)
         if not launch.launched:
             fit_to_one_process(config)
         model_config = validate_config(config, launch.world_size)

@@ -2,8 +2,8 @@
 
 The run must follow the documented recursion exactly: step k's minibatch is rows k·G … (k+1)·G − 1
 of the file (shuffle off, dp = 1), split into microbatches in order; the loss is the mean of the
-microbatch losses; gradients are clipped by the global norm; SGD with momentum and the LR schedule
-step once per minibatch. The test recomputes that with plain transformers + torch.optim and
+microbatch losses; gradients are clipped by the global norm; SGD with momentum (weight decay on what
+transformers.Trainer decays: not biases or norm weights) and the LR schedule step once per minibatch. The test recomputes that with plain transformers + torch.optim and
 compares every logged loss and every exported weight (1e-5: fp32, differently ordered sums).
 """
 
@@ -51,13 +51,23 @@ def _microbatch_losses(model, config, rows, k):
     return lm
 
 
+def _sgd(model):
+    """The reference optimizer: weight decay on the parameters transformers.Trainer decays."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in model.named_parameters() if (n in decay) == decays],
+               "weight_decay": 0.01 if decays else 0.0} for decays in (True, False)]
+    return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
+
+
 def _reference(config, rows, max_grad_norm=0.5):
     from transformers import get_scheduler
 
     from hf_asyncpp.models import build_model
 
     model = build_model(config, seed=7)  # train.py's starting weights (the run's seed is 7)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+    opt = _sgd(model)
     sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=STEPS)
     losses = []
     for k in range(STEPS):
@@ -154,7 +164,7 @@ def _reference_2bw(config, rows):
 
     current = build_model(config, seed=7)
     stale = copy.deepcopy(current)
-    opt = torch.optim.SGD(current.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+    opt = _sgd(current)
     sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=STEPS)
     previous = copy.deepcopy(current.state_dict())  # x_{k−1}
     losses = []
