@@ -15,7 +15,7 @@ import torch
 
 from .errors import DataError
 
-__all__ = ["BlockPacker", "build_token_blocks", "check_disjoint", "check_vocabulary"]
+__all__ = ["BlockPacker", "block_hashes", "build_token_blocks", "check_disjoint", "check_vocabulary"]
 
 
 class BlockPacker:
@@ -142,14 +142,24 @@ def check_vocabulary(blocks: torch.Tensor, vocab_size: int | None, name: str, fi
                         "tokenizer, or use a model_config whose vocab_size covers it")
 
 
-def check_disjoint(train: torch.Tensor, held_out: torch.Tensor, train_name: str, eval_name: str) -> None:
+def block_hashes(blocks: torch.Tensor) -> torch.Tensor:
+    """A 64-bit hash of each block's tokens (a seeded weighted sum, wrapping around): equal blocks
+    hash equal; prepare-data stores them beside the blocks so a corpus is compared without reading it."""
+    weights = torch.randint(-2**62, 2**62, (blocks.shape[1],), generator=torch.Generator().manual_seed(0))
+    return (blocks.long() * weights).sum(dim=1)
+
+
+def check_disjoint(train, held_out: torch.Tensor, train_name: str, eval_name: str,
+                   train_hashes: torch.Tensor | None = None) -> None:
     """Refuse a held-out set that repeats training blocks: its loss would not measure generalization.
-    Blocks are compared by a 64-bit hash of their tokens, then exactly."""
-    weights = torch.randint(-2**62, 2**62, (train.shape[1],), generator=torch.Generator().manual_seed(0))
-    train_hash, eval_hash = (train * weights).sum(dim=1), (held_out * weights).sum(dim=1)  # wraps around: fine
+    Blocks are compared by `block_hashes` (the training blocks' given as `train_hashes`, when known),
+    then exactly; `train` is anything a LongTensor of rows indexes (a tensor, prepared blocks)."""
+    train_hash = block_hashes(train) if train_hashes is None else train_hashes
+    eval_hash = block_hashes(held_out)
     candidates = torch.isin(eval_hash, train_hash)
     for row in candidates.nonzero().flatten().tolist():
-        if (train == held_out[row]).all(dim=1).any():
+        same_hash = (train_hash == eval_hash[row]).nonzero().flatten()
+        if (train[same_hash] == held_out[row]).all(dim=1).any():
             shared = int(candidates.sum())
             raise DataError(f"{eval_name} repeats blocks of {train_name} (block {row}, and up to {shared} in all): "
                             "held-out data must not be trained on; give an eval set disjoint from the training data")

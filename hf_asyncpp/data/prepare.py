@@ -4,7 +4,8 @@ The corpus (local files or a Hub dataset, read as a stream: it never has to fit 
 into seq_len blocks by the one packing rule (packing.py: each document's tokens, an EOS, concatenated
 and cut; the tail dropped), in order, and written as `shard-NNNNN.arrow` files (Arrow IPC streams,
 what `datasets` caches in, loadable with `load_dataset("arrow", ...)`) of fixed-length `input_ids`
-rows beside `manifest.json` (source, tokenizer, vocabulary size, seq_len, counts). Training maps the
+rows, each with its `hash` (packing.block_hashes: what an eval set is checked against), beside
+`manifest.json` (source, tokenizer, vocabulary size, seq_len, counts). Training maps the
 shards into memory (prepared.py: no copy, no tokenizer, no network) and reads the same blocks as
 training on the corpus directly.
 
@@ -159,12 +160,24 @@ def _write_shard(partial: Path, parts: list[tuple[str, int]], seq_len: int, inde
             tokens = np.memmap(path, dtype=np.int32, mode="r", shape=(n,))
             pieces.append(np.array(tokens[max(start - offset, 0):min(stop - offset, n)]))
         offset += n
-    rows = pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate(pieces), type=pa.int32()), seq_len)
-    table = pa.table({"input_ids": rows})
+    tokens = np.concatenate(pieces)
+    rows = pa.FixedSizeListArray.from_arrays(pa.array(tokens, type=pa.int32()), seq_len)
+    table = pa.table({"input_ids": rows, "hash": pa.array(_hashes(tokens.reshape(n_blocks, seq_len)))})
     name = f"shard-{index:05d}.arrow"
     with pa.OSFile(str(partial / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return {"file": name, "blocks": n_blocks}
+
+
+def _hashes(blocks) -> "np.ndarray":
+    """`block_hashes` of (rows, seq_len) int32 blocks, a few thousand rows at a time (int64 copies)."""
+    import numpy as np
+    import torch
+
+    from .packing import block_hashes
+
+    return np.concatenate([block_hashes(torch.from_numpy(blocks[i:i + 4096])).numpy()
+                           for i in range(0, len(blocks), 4096)])
 
 
 class _InProcess:

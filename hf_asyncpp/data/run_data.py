@@ -99,6 +99,8 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
         return TrainingData(Prefetcher(sampler, pin_memory=torch.cuda.is_available()), held_out)
     if isinstance(train_dataset, PreparedBlocks):  # vocabulary checked by its manifest; too large to scan
         blocks = train_dataset
+        if held_out is not None:
+            check_disjoint(blocks, held_out, train_name, eval_name, blocks.hashes())
     else:
         blocks = packer.tensor(train_dataset, train_name)
         check_vocabulary(blocks, vocab_size, train_name)

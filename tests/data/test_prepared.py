@@ -49,3 +49,24 @@ def test_prepared_blocks_are_read_only_views_of_the_mapped_files(tmp_path):
     tail = blocks[-2:]
     assert len(tail) == 2 and torch.equal(tail.materialize(), direct[-2:])
     assert np.array_equal(blocks[1:3][torch.tensor([1])].numpy(), direct[2:3].numpy())
+
+
+def test_an_eval_set_repeating_prepared_blocks_is_refused_by_their_stored_hashes(tmp_path):
+    import pytest
+
+    from hf_asyncpp.data.errors import DataError
+    from hf_asyncpp.data.packing import block_hashes
+
+    corpus = _corpus(tmp_path, "jsonl", n_files=2)
+    prepare_data(corpus, str(tmp_path / "prepared"), "builtin", 8, blocks_per_shard=4)
+    blocks = PreparedBlocks(str(tmp_path / "prepared"))
+    assert torch.equal(blocks.hashes(), block_hashes(blocks.materialize()))  # stored = computed
+    assert torch.equal(blocks[2:5].hashes(), blocks.hashes()[2:5])
+    config = _config(dataset=str(tmp_path / "prepared"), eval_dataset=corpus, shuffle=False)  # the same blocks
+    with pytest.raises(DataError, match="repeats blocks of"):
+        training_data(config, load_tokenizer("builtin"), 0, 1)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"text": "%s"}\n' % ("unrelated words of a held out document " * 4))
+    data = training_data(_config(dataset=str(tmp_path / "prepared"), eval_dataset=str(held_out)),
+                         load_tokenizer("builtin"), 0, 1)
+    assert data.held_out is not None and len(data.held_out)
