@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,16 +66,19 @@ class LoopHooks:
         pass
 
 
-def step_record(result, tokens_seen: int, schedule: str) -> dict:
-    """The logged record of one step (metrics.jsonl, trackers, the Trainer's log_history)."""
+def step_record(result, tokens_seen: int, epoch: float, tokens_per_second: float, schedule: str) -> dict:
+    """The logged record of one step (metrics.jsonl, trackers, the Trainer's log_history), under the
+    names transformers' Trainer logs where it has one: `learning_rate`, `epoch`, `num_input_tokens_seen`
+    (all dp ranks), `train_tokens_per_second` (this session's tokens over its wall time so far)."""
     return {
         "step": result.step,
+        "epoch": epoch,
         "loss": result.loss,
         "aux_loss": result.aux_loss,
-        "lr": result.lr,
+        "learning_rate": result.lr,
         "grad_norm": result.grad_norm,
-        "tokens": tokens_seen,
-        "tokens_per_s": result.tokens / result.step_time_s,
+        "num_input_tokens_seen": tokens_seen,
+        "train_tokens_per_second": tokens_per_second,
         "step_time_s": result.step_time_s,
         "idle_fraction_per_rank": result.idle_fraction_per_rank,
         "weight_version_age_per_stage": result.weight_version_age_per_stage,
@@ -204,6 +208,7 @@ class TrainingLoop:
 
     def _steps(self, step: int, progress) -> None:
         engine = self.engine
+        session_start, session_tokens = time.perf_counter(), self.tokens_seen  # for train_tokens_per_second
         while step < self.end_step:
             self.hooks.on_step_begin(step)
             next_rows = self._rows(step + 1) if engine.forwards_ahead and step + 1 < self.end_step else None
@@ -213,9 +218,11 @@ class TrainingLoop:
             progress.update(1)
             decision = self.hooks.after_step(result, self.end_step)
             if decision.log:  # every rank: the values come from one all-reduce
-                self.last_record = step_record(result, self.tokens_seen, engine.spec.name)
+                tokens_per_second = (self.tokens_seen - session_tokens) / (time.perf_counter() - session_start)
+                self.last_record = step_record(result, self.tokens_seen, self.data.epoch(step), tokens_per_second,
+                                               engine.spec.name)
                 if self.layout.is_main:
-                    progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{self.last_record['tokens_per_s']:.0f}")
+                    progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_second:.0f}")
                     self._publish(self.last_record)
                 self.hooks.on_log(self.last_record)
             if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway

@@ -86,7 +86,7 @@ class _TrainerHooks(LoopHooks):
         t = self.trainer
         self.since_last_log.append(result)
         t.state.global_step = result.step
-        t.state.epoch = result.step / t.steps_per_epoch
+        t.state.epoch = t.loop.data.epoch(result.step)
         t.state.num_input_tokens_seen = t.loop.tokens_seen
         t.control = t.callback_handler.on_step_end(t.args, t.state, t.control)
         c = t.control
@@ -96,14 +96,13 @@ class _TrainerHooks(LoopHooks):
         return decision
 
     def on_log(self, record: dict) -> None:
+        """The record's numbers under the same names (metrics.py: numeric_scalars), the losses as their
+        mean since the last log, as Trainer logs its loss."""
+        from .metrics import numeric_scalars
+
         window, self.since_last_log = self.since_last_log, []
-        self.trainer.log({
-            "loss": sum(r.loss for r in window) / len(window),
-            "aux_loss": sum(r.aux_loss for r in window) / len(window),
-            "grad_norm": record["grad_norm"],
-            "learning_rate": record["lr"],
-            "tokens_per_second": record["tokens_per_s"],
-        })
+        self.trainer.log({**numeric_scalars(record), "loss": sum(r.loss for r in window) / len(window),
+                          "aux_loss": sum(r.aux_loss for r in window) / len(window)})
 
     def on_evaluate(self, results: dict) -> None:
         t = self.trainer
@@ -201,10 +200,9 @@ class AsyncPPTrainer(Trainer):
                                               model.config.vocab_size)
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(str(err)) from None
-        blocks = getattr(data.sampler, "blocks", None)  # None for a streamed train set
-        self.steps_per_epoch = blocks.shape[0] / (config.rows_per_step * dp_size) if blocks is not None else math.inf
+        self.steps_per_epoch = data.steps_per_epoch  # infinite for a streamed train set
         if args.max_steps <= 0:
-            if blocks is None:
+            if math.isinf(self.steps_per_epoch):
                 raise ConfigError("a streamed train_dataset has no length: set max_steps")
             config.max_steps = max(1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
         config.warmup_steps = args.get_warmup_steps(config.max_steps)

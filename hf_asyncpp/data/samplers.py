@@ -36,6 +36,11 @@ class MinibatchSampler:
         self.dp_rank, self.dp_size, self.shuffle, self.seed = dp_rank, dp_size, shuffle, seed
         self._orders: dict[int, torch.Tensor] = {}
 
+    @property
+    def steps_per_epoch(self) -> float:
+        """Steps in one pass over the blocks, counting every dp rank's share."""
+        return self.blocks.shape[0] / (self.rows_per_step * self.dp_size)
+
     def _order(self, epoch: int) -> torch.Tensor:
         """The epoch's block order; the last two are kept (a step reads at most two epochs, and the
         loop reads each step twice: as the next step's rows, then as its own)."""
