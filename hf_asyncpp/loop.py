@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .log import get_logger
+
 __all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "load_main_process_first", "step_record"]
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -148,15 +151,13 @@ class TrainingLoop:
 
         path = find_checkpoint(resume_from, self.config.output_dir)
         if path is None:
-            if self.layout.is_main:
-                print(f"[hf_asyncpp] no checkpoint in {self.config.output_dir} yet: starting from step 0")
+            logger.info(f"no checkpoint in {self.config.output_dir} yet: starting from step 0")
             return
         self.checkpoint_state = load_checkpoint(self.engine, self.layout, path)
         self.start_step, self.tokens_seen = self.checkpoint_state["step"], self.checkpoint_state["tokens_seen"]
         self.engine.guard.load_state_dict(self.checkpoint_state.get("nonfinite", {}))
         self.engine.resume_after(self.start_step)
-        if self.layout.is_main:
-            print(f"[hf_asyncpp] resumed from {path} after step {self.start_step}")
+        logger.info(f"resumed from {path} after step {self.start_step}")
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -166,9 +167,7 @@ class TrainingLoop:
         from tqdm.auto import tqdm
 
         engine = self.engine
-        if self.layout.is_main:
-            print(f"[hf_asyncpp] {engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; "
-                  f"{engine.plan.describe()}")
+        logger.info(f"{engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; {engine.plan.describe()}")
         progress = tqdm(total=self.end_step, initial=self.start_step, disable=not self.progress_bar,
                         desc="train", unit="step")
         with self._termination_handled():
@@ -178,9 +177,8 @@ class TrainingLoop:
         if self.terminated_at is None and self.data.held_out is not None:
             self.final_eval = self.evaluate(self.end_step)
             self.hooks.on_evaluate(self.final_eval)
-            if self.layout.is_main:
-                print(f"[hf_asyncpp] validation loss {self.final_eval['eval_loss']:.4f}, "
-                      f"perplexity {self.final_eval['eval_perplexity']:.2f}")
+            logger.info(f"validation loss {self.final_eval['eval_loss']:.4f}, "
+                        f"perplexity {self.final_eval['eval_perplexity']:.2f}")
         self.close()
         return self.last_record
 
@@ -231,9 +229,8 @@ class TrainingLoop:
                 self.hooks.on_save(self.save(step))
             if result.termination_requested and step < self.end_step:
                 self.terminated_at = step
-                if self.layout.is_main:
-                    print(f"[hf_asyncpp] stopped after step {step} on SIGTERM; checkpoint-{step} is saved: run the "
-                          "same command with resume_from_checkpoint: latest to continue", flush=True)
+                logger.info(f"stopped after step {step} on SIGTERM; checkpoint-{step} is saved: run the same "
+                            "command with resume_from_checkpoint: latest to continue")
                 break
             if decision.stop and step < self.end_step:
                 self.end_step = engine.stop_after(step)
@@ -286,7 +283,7 @@ class TrainingLoop:
 
             write_loss_curves(self.config.output_dir)
         except (ValueError, OSError) as err:  # e.g. no step was logged: nothing to draw
-            print(f"[hf_asyncpp] no loss curves: {err}", file=sys.stderr)
+            logger.warning(f"no loss curves: {err}")
 
     # --- what the run leaves ---------------------------------------------------------------------
 
@@ -307,6 +304,5 @@ class TrainingLoop:
         card = self.model_card(repo_id) if self.layout.is_main else None
         out = export_hf_model(self.engine.stage_state_dict(), self.layout, self.model_config, self.tokenizer,
                               Path(out_dir), self.config.max_shard_size, card)
-        if self.layout.is_main:
-            print(f"[hf_asyncpp] saved {out}")
+        logger.info(f"saved {out}")
         return out

@@ -129,7 +129,7 @@ def test_plain_python_runs_one_process_with_the_same_result(tmp_path):
     proc = subprocess.run([sys.executable, *TRAIN, *_overrides(tmp_path, out)], capture_output=True, text=True,
                           env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pp_size 2 → 1" in proc.stdout
+    assert "[hf_asyncpp] one process (no launcher): pp_size 2 → 1" in proc.stderr
     losses, model = _reference(config, rows)
     _check_run(out, losses, model, n_ranks=1)
 
