@@ -56,3 +56,12 @@ def test_regenerating_changes_only_the_part_between_the_markers(tmp_path, monkey
     page.write_text("no markers\n")
     with pytest.raises(ValueError, match="lacks the markers"):
         update_reference(page)
+
+
+def test_the_trainers_pipeline_arguments_carry_the_keys_default_and_meaning():
+    from hf_asyncpp.trainer_args import _PIPELINE_KEYS, AsyncPPTrainingArguments
+
+    arguments = {field.name: field for field in dataclasses.fields(AsyncPPTrainingArguments)}
+    keys = {field.name: field for field in dataclasses.fields(TrainConfig)}
+    for name in _PIPELINE_KEYS:
+        assert arguments[name].default == keys[name].default and arguments[name].metadata == keys[name].metadata
