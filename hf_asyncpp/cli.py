@@ -13,7 +13,8 @@ __all__ = ["main"]
 _USAGE = """usage: hf-asyncpp <command> [args]
 
 commands:
-  train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1)
+  train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1);
+                                            train --help lists every config key
   push DIR REPO_ID [--private]               upload an exported model directory (e.g. outputs/run/final)
                                             to the Hub; the token comes from HF_TOKEN or `hf auth login`
   plot RUN_DIR [RUN_DIR ...] [--out FILE] [--x step|tokens]

@@ -9,8 +9,8 @@ Every process of the launch (accelerate launch / torchrun) builds the same model
 Trainer cuts the model into this rank's stages and drives the same `TrainingLoop` and
 `PipelineEngine` as train.py. What Trainer users rely on maps onto it: the callbacks decide when to
 log, evaluate and save (DefaultFlowCallback, and any `TrainerControl` a user callback sets, including
-an early stop); log_history holds the train loss (mean since the last log, as Trainer logs it), the
-aux loss beside it, grad norm and learning rate, and eval_loss / eval_perplexity; `report_to`
+an early stop); log_history holds the numbers of metrics.jsonl's records under the same names (the
+train and aux loss as means since the last log, as Trainer logs its loss), and eval_loss / eval_perplexity; `report_to`
 reaches the usual integration callbacks; checkpoints are the pipeline's (sharded, every rank) in
 output_dir/checkpoint-<step>, with the log history in them; `save_model` writes the HF export
 (output_dir/final unless told otherwise) and the card describes what was really done (pretraining
