@@ -4,7 +4,7 @@
   processes, one pipeline stage each), trains (the loss falls), evaluates, and leaves an HF model
   directory that `from_pretrained` loads; its metrics.jsonl holds the keys the README names;
 - its test command is the one CI runs (.ci/run);
-- every relative link in it and in docs/ points at a file that exists.
+- every relative link in it and in docs/ points at a file (and heading) that exists.
 """
 
 from __future__ import annotations
@@ -68,9 +68,18 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     assert test_command.strip() in (REPO / ".ci" / "run").read_text()
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 @pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))])
-def test_relative_links_point_at_files_that_exist(page):
+def test_relative_links_point_at_files_and_headings_that_exist(page):
     path = REPO / page
-    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
-        if "://" not in target:
-            assert (path.parent / target).exists(), f"{page} links to {target}, which does not exist"
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)]*))?\)", path.read_text()):
+        if "://" in target:
+            continue
+        linked = (path.parent / target) if target else path
+        assert linked.exists(), f"{page} links to {target}, which does not exist"
+        assert not anchor or anchor in _anchors(linked), f"{page} links to {target}#{anchor}: no such heading"
