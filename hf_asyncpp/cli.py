@@ -15,7 +15,8 @@ __all__ = ["main"]
 _USAGE = """usage: hf-asyncpp <command> [args]
 
 commands:
-  train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1)
+  train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1);
+                                            train --help lists every config key
   export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16]
                                             a training checkpoint (any pp × dp layout) as an HF model
                                             directory (weights, config, tokenizer, card), on one

@@ -119,8 +119,8 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
         "max_grad_norm", "fsdp")}
     training.update(
         asynchronous=not spec.synchronous, schedule_description=spec.description, pp_size=pp_size,
-        dp_size=dp_size, steps=last_record.get("step", 0), tokens=last_record.get("tokens", 0),
-        tokens_per_s=round(last_record.get("tokens_per_s", 0.0)),
+        dp_size=dp_size, steps=last_record.get("step", 0), tokens=last_record.get("num_input_tokens_seen", 0),
+        tokens_per_s=round(last_record.get("train_tokens_per_second", 0.0)),
         idle_fraction_per_rank=", ".join(f"{x:.3f}" for x in last_record.get("idle_fraction_per_rank", [])),
         weight_version_ages=last_record.get("weight_version_age_per_stage"),
     )

@@ -19,10 +19,15 @@ import contextlib
 import dataclasses
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .log import get_logger
+
 __all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "load_main_process_first", "step_record"]
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -63,8 +68,8 @@ class LoopHooks:
         """The front end's `transformers.TrainerState` after `step` steps, for a checkpoint."""
         state = self.state
         state.global_step, state.max_steps, state.num_input_tokens_seen = step, loop.end_step, loop.tokens_seen
-        state.epoch = loop.epoch(step)
-        state.num_train_epochs = math.ceil(loop.epoch(loop.end_step) or 0)
+        state.epoch = loop.data.epoch(step)
+        state.num_train_epochs = math.ceil(loop.data.epoch(loop.end_step))
         return state
 
     def resumed_from(self, checkpoint: Path) -> None:
@@ -85,16 +90,19 @@ class LoopHooks:
         pass
 
 
-def step_record(result, tokens_seen: int, schedule: str) -> dict:
-    """The logged record of one step (metrics.jsonl, trackers, the Trainer's log_history)."""
+def step_record(result, tokens_seen: int, epoch: float, tokens_per_second: float, schedule: str) -> dict:
+    """The logged record of one step (metrics.jsonl, trackers, the Trainer's log_history), under the
+    names transformers' Trainer logs where it has one: `learning_rate`, `epoch`, `num_input_tokens_seen`
+    (all dp ranks), `train_tokens_per_second` (this session's tokens over its wall time so far)."""
     return {
         "step": result.step,
+        "epoch": epoch,
         "loss": result.loss,
         "aux_loss": result.aux_loss,
-        "lr": result.lr,
+        "learning_rate": result.lr,
         "grad_norm": result.grad_norm,
-        "tokens": tokens_seen,
-        "tokens_per_s": result.tokens / result.step_time_s,
+        "num_input_tokens_seen": tokens_seen,
+        "train_tokens_per_second": tokens_per_second,
         "step_time_s": result.step_time_s,
         "idle_fraction_per_rank": result.idle_fraction_per_rank,
         "weight_version_age_per_stage": result.weight_version_age_per_stage,
@@ -165,8 +173,7 @@ class TrainingLoop:
 
         path = find_checkpoint(resume_from, self.config.output_dir)
         if path is None:
-            if self.layout.is_main:
-                print(f"[hf_asyncpp] no checkpoint in {self.config.output_dir} yet: starting from step 0")
+            logger.info(f"no checkpoint in {self.config.output_dir} yet: starting from step 0")
             return
         self.checkpoint_state = load_checkpoint(self.engine, self.layout, path)
         self.start_step, self.tokens_seen = self.checkpoint_state["step"], self.checkpoint_state["tokens_seen"]
@@ -178,10 +185,9 @@ class TrainingLoop:
         # A stream continues from its saved position; every rank learns if rank 0's is refused.
         positions = read_data_positions(path)
         replayed = load_main_process_first(self.layout, lambda: self.data.sampler.resume(self.start_step, positions))
-        if self.layout.is_main:
-            if replayed:
-                print(f"[hf_asyncpp] warning: {replayed}", flush=True)
-            print(f"[hf_asyncpp] resumed from {path} after step {self.start_step}")
+        if replayed and self.layout.is_main:
+            logger.warning(replayed)
+        logger.info(f"resumed from {path} after step {self.start_step}")
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -191,9 +197,7 @@ class TrainingLoop:
         from tqdm.auto import tqdm
 
         engine = self.engine
-        if self.layout.is_main:
-            print(f"[hf_asyncpp] {engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; "
-                  f"{engine.plan.describe()}")
+        logger.info(f"{engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; {engine.plan.describe()}")
         progress = tqdm(total=self.end_step, initial=self.start_step, disable=not self.progress_bar,
                         desc="train", unit="step")
         with self._termination_handled():
@@ -203,9 +207,8 @@ class TrainingLoop:
         if self.terminated_at is None and self.data.held_out is not None:
             self.final_eval = self.evaluate(self.end_step)
             self.hooks.on_evaluate(self.final_eval)
-            if self.layout.is_main:
-                print(f"[hf_asyncpp] validation loss {self.final_eval['eval_loss']:.4f}, "
-                      f"perplexity {self.final_eval['eval_perplexity']:.2f}")
+            logger.info(f"validation loss {self.final_eval['eval_loss']:.4f}, "
+                        f"perplexity {self.final_eval['eval_perplexity']:.2f}")
         self.close()
         return self.last_record
 
@@ -233,6 +236,7 @@ class TrainingLoop:
 
     def _steps(self, step: int, progress) -> None:
         engine = self.engine
+        session_start, session_tokens = time.perf_counter(), self.tokens_seen  # for train_tokens_per_second
         while step < self.end_step:
             self.hooks.on_step_begin(step)
             next_rows = self._rows(step + 1) if engine.forwards_ahead and step + 1 < self.end_step else None
@@ -242,9 +246,11 @@ class TrainingLoop:
             progress.update(1)
             decision = self.hooks.after_step(result, self.end_step)
             if decision.log:  # every rank: the values come from one all-reduce
-                self.last_record = step_record(result, self.tokens_seen, engine.spec.name)
+                tokens_per_second = (self.tokens_seen - session_tokens) / (time.perf_counter() - session_start)
+                self.last_record = step_record(result, self.tokens_seen, self.data.epoch(step), tokens_per_second,
+                                               engine.spec.name)
                 if self.layout.is_main:
-                    progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{self.last_record['tokens_per_s']:.0f}")
+                    progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_second:.0f}")
                     self._publish(self.last_record)
                 self.hooks.on_log(self.last_record)
             if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway
@@ -253,9 +259,8 @@ class TrainingLoop:
                 self.hooks.on_save(self.save(step))
             if result.termination_requested and step < self.end_step:
                 self.terminated_at = step
-                if self.layout.is_main:
-                    print(f"[hf_asyncpp] stopped after step {step} on SIGTERM; checkpoint-{step} is saved: run the "
-                          "same command with resume_from_checkpoint: latest to continue", flush=True)
+                logger.info(f"stopped after step {step} on SIGTERM; checkpoint-{step} is saved: run the same "
+                            "command with resume_from_checkpoint: latest to continue")
                 break
             if decision.stop and step < self.end_step:
                 self.end_step = engine.stop_after(step)
@@ -288,11 +293,6 @@ class TrainingLoop:
         self.last_eval = results
         return results
 
-    def epoch(self, step: int) -> float | None:
-        """Passes over the training data after `step` steps (None for a stream: its length is unknown)."""
-        per_epoch = getattr(self.data.sampler, "steps_per_epoch", None)
-        return step / per_epoch if per_epoch else None
-
     def save(self, step: int) -> Path:
         """A training checkpoint after `step` steps (collective): the engine's state, the front end's
         TrainerState, the model's config and tokenizer, and what the run's card is made of."""
@@ -318,7 +318,7 @@ class TrainingLoop:
 
             write_loss_curves(self.config.output_dir)
         except (ValueError, OSError) as err:  # e.g. no step was logged: nothing to draw
-            print(f"[hf_asyncpp] no loss curves: {err}", file=sys.stderr)
+            logger.warning(f"no loss curves: {err}")
 
     # --- what the run leaves ---------------------------------------------------------------------
 
@@ -335,6 +335,5 @@ class TrainingLoop:
         card = self.model_card(repo_id) if self.layout.is_main else None
         out = export_hf_model(self.engine.stage_state_dict(), self.layout, self.model_config, self.tokenizer,
                               Path(out_dir), self.config.max_shard_size, card, export_dtype(self.config.export_dtype))
-        if self.layout.is_main:
-            print(f"[hf_asyncpp] saved {out}")
+        logger.info(f"saved {out}")
         return out

@@ -10,8 +10,9 @@ Trainer cuts the model into this rank's stages and drives the same `TrainingLoop
 `PipelineEngine` as train.py. What Trainer users rely on maps onto it: the callbacks decide when to
 log, evaluate and save (DefaultFlowCallback with "steps", "epoch" or "best", and any `TrainerControl`
 a user callback sets, including EarlyStoppingCallback's stop); epoch events fire at the step that ends
-an epoch; state.best_metric and best_model_checkpoint are set as Trainer sets them; log_history holds the train loss (mean since the last log, as Trainer logs it), the
-aux loss beside it, grad norm and learning rate, and eval_loss / eval_perplexity; `report_to`
+an epoch; state.best_metric and best_model_checkpoint are set as Trainer sets them; log_history holds
+the numbers of metrics.jsonl's records under the same names (the train and aux loss as means since the
+last log, as Trainer logs its loss), and eval_loss / eval_perplexity; `report_to`
 reaches the usual integration callbacks; checkpoints are the pipeline's (sharded, every rank) in
 output_dir/checkpoint-<step>, with the Trainer's state in trainer_state.json (log history, best
 metric, callbacks' states; `TrainerState.load_from_json` reads it); `save_model` writes the HF export
@@ -114,7 +115,7 @@ class _TrainerHooks(LoopHooks):
         t = self.trainer
         self.since_last_log.append(result)
         t.state.global_step = result.step
-        t.state.epoch = result.step / t.steps_per_epoch
+        t.state.epoch = t.loop.data.epoch(result.step)
         t.state.num_input_tokens_seen = t.loop.tokens_seen
         t.control = t.callback_handler.on_step_end(t.args, t.state, t.control)
         if self.ends_epoch(result.step) or result.step == last_step:
@@ -126,17 +127,16 @@ class _TrainerHooks(LoopHooks):
         return self.decision
 
     def on_log(self, record: dict) -> None:
+        """The record's numbers under the same names (metrics.py: numeric_scalars), the losses as their
+        mean since the last log, as Trainer logs its loss."""
+        from .metrics import numeric_scalars
+
         window, self.since_last_log = self.since_last_log, []
         args, finite_only = self.trainer.args, self.trainer.args.logging_nan_inf_filter
-        logs = {
-            "loss": _mean([r.loss for r in window], finite_only),
-            "aux_loss": _mean([r.aux_loss for r in window], finite_only),
-            "grad_norm": record["grad_norm"],
-            "learning_rate": record["lr"],
-            "tokens_per_second": record["tokens_per_s"],
-        }
-        if args.include_num_input_tokens_seen not in ("no", False):
-            logs["num_input_tokens_seen"] = record["tokens"]
+        logs = {**numeric_scalars(record), "loss": _mean([r.loss for r in window], finite_only),
+                "aux_loss": _mean([r.aux_loss for r in window], finite_only)}
+        if args.include_num_input_tokens_seen in ("no", False):  # as Trainer: logged only when asked for
+            logs.pop("num_input_tokens_seen", None)
         self.trainer.log(logs)
 
     def on_evaluate(self, results: dict) -> None:
@@ -283,15 +283,15 @@ class AsyncPPTrainer(Trainer):
                                               model.config.vocab_size)
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(str(err)) from None
-        self.steps_per_epoch = getattr(data.sampler, "steps_per_epoch", math.inf)  # a stream's is unknown
-        finite = self.steps_per_epoch < math.inf
+        self.steps_per_epoch = data.steps_per_epoch  # infinite for a streamed train set
+        finite = not math.isinf(self.steps_per_epoch)
         self.rows_per_epoch = round(self.steps_per_epoch * config.rows_per_step * dp_size) if finite else None
         epochal = [k for k in ("logging_strategy", "eval_strategy", "save_strategy") if getattr(args, k) == "epoch"]
         if not finite and epochal:
             raise ConfigError(f"{', '.join(epochal)} 'epoch' needs epochs, but a streamed train_dataset has no length: "
                               "use 'steps'")
         if args.max_steps <= 0:
-            if self.steps_per_epoch == math.inf:
+            if not finite:
                 raise ConfigError("a streamed train_dataset has no length: set max_steps")
             config.max_steps = max(1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
         config.warmup_steps = args.get_warmup_steps(config.max_steps)

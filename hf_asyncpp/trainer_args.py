@@ -202,18 +202,26 @@ def _optimizer_name(args) -> str:
     return _OPTIM_NAMES[optim]
 
 
+_TRAIN_CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _pipeline_key(name: str):
+    """The TrainConfig key `name` as a Trainer argument: its default and its help, from the one field."""
+    key = _TRAIN_CONFIG_FIELDS[name]
+    return field(default=key.default, metadata=key.metadata)
+
+
 @dataclass
 class AsyncPPTrainingArguments(TrainingArguments):
-    schedule: str = field(default="1f1b", metadata={"help": "gpipe, 1f1b, interleaved-1f1b, zbv, pipedream-2bw, "
-                                                             "pipedream, wpipe (hf-asyncpp schedules)"})
-    pp_size: int = field(default=2, metadata={"help": "pipeline stages' ranks; dp = world size / pp_size"})
-    n_microbatches: int = field(default=4, metadata={"help": "microbatches per step on each dp rank"})
-    optimizer: str = field(default="adamw", metadata={"help": "adamw, muon, soap, lion, sgd"})
+    schedule: str = _pipeline_key("schedule")
+    pp_size: int = _pipeline_key("pp_size")
+    n_microbatches: int = _pipeline_key("n_microbatches")
+    optimizer: str = _pipeline_key("optimizer")
     momentum: float | None = field(default=None, metadata={"help": "momentum / beta1 (default: adam_beta1)"})
-    ef: bool = field(default=False, metadata={"help": "Error Feedback around the optimizer's update"})
-    ef_lambda: float = field(default=1.0, metadata={"help": "Error Feedback strength λ"})
+    ef: bool = _pipeline_key("ef")
+    ef_lambda: float = _pipeline_key("ef_lambda")
     seq_len: int | None = field(default=None, metadata={"help": "tokens per row (default: the dataset's rows)"})
-    mixed_precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPUs), bf16, no"})
+    mixed_precision: str = _pipeline_key("mixed_precision")
     pipeline_config: dict | None = field(default=None, metadata={
         "help": "any other TrainConfig key (e.g. muon_lr_scale, soap_precondition_frequency, stage_balance)"})
     report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "trackers; 'none' for none"})

@@ -29,7 +29,7 @@ def _facts(data_description=None, **overrides):
 
     config = TrainConfig(**{**dict(schedule="pipedream-2bw", optimizer="muon", ef=True, ef_lambda=0.5, momentum=0.95),
                             **overrides})
-    record = {"step": 200, "tokens": 819200, "tokens_per_s": 6123.4, "idle_fraction_per_rank": [0.45, 0.031],
+    record = {"step": 200, "num_input_tokens_seen": 819200, "train_tokens_per_second": 6123.4, "idle_fraction_per_rank": [0.45, 0.031],
               "weight_version_age_per_stage": [1, 1]}
     return model_card_facts(config, build_config("tiny-moe"), (2, 2), record, get_schedule_spec(config.schedule),
                             data_description=data_description)

@@ -90,14 +90,15 @@ def _check_run(out, expected_losses, reference_model, n_ranks, delay=0):
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for key in ("step", "loss", "aux_loss", "lr", "tokens", "tokens_per_s", "step_time_s", "schedule"):
+    for key in ("step", "epoch", "loss", "aux_loss", "learning_rate", "grad_norm", "num_input_tokens_seen",
+                "train_tokens_per_second", "step_time_s", "schedule"):
         assert key in records[0]
     assert len(records[0]["idle_fraction_per_rank"]) == n_ranks
     # Weight-version age per stage: steps 0 and 1 both run on the initial weights, then `delay`.
     assert [r["weight_version_age_per_stage"] for r in records] == [
         [min(k, delay)] * len(records[0]["weight_version_age_per_stage"]) for k in range(STEPS)
     ]
-    assert records[-1]["tokens"] == STEPS * MBS * M * SEQ
+    assert records[-1]["num_input_tokens_seen"] == STEPS * MBS * M * SEQ
     assert [r["loss"] for r in records] == pytest.approx(expected_losses, abs=1e-5)
     assert all(r["aux_loss"] > 0 for r in records)
     # By default the run also reports to tensorboard (output_dir/runs) and draws its loss curves.
@@ -138,7 +139,7 @@ def test_plain_python_runs_one_process_with_the_same_result(tmp_path):
     proc = subprocess.run([sys.executable, *TRAIN, *_overrides(tmp_path, out)], capture_output=True, text=True,
                           env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pp_size 2 → 1" in proc.stdout
+    assert "[hf_asyncpp] one process (no launcher): pp_size 2 → 1" in proc.stderr
     losses, model = _reference(config, rows)
     _check_run(out, losses, model, n_ranks=1)
 

@@ -1,8 +1,9 @@
 """The configs in training_scripts/configs/ validate at the world size they are written for, the 2B and 10B
-MoE configs describe the models their headers, README.md and training_scripts/models/README.md advertise, the
-dense 135M and 360M model configs have the parameter counts that README's table states, and every study in
-training_scripts/studies/ loads and every one of its arms validates as the study runner would run it (at world
-size = depth for launch: pipeline), so a study cannot fail on a config error after hours of earlier arms.
+MoE configs describe the models their headers, docs/scale.md and training_scripts/models/README.md advertise,
+the dense 135M and 360M model configs have the parameter counts that training_scripts/models/README.md's table
+states, and every study in training_scripts/studies/ loads and every one of its arms validates as the study
+runner would run it (at world size = depth for launch: pipeline), so a study cannot fail on a config error
+after hours of earlier arms.
 
 The scale configs name files their header tells the user to prepare with Hub access (the SmolLM2 tokenizer,
 prepared training shards, a held-out parquet file): stand-ins replace them here — the shipped tokenizer, a
@@ -120,7 +121,7 @@ def test_a_scale_config_builds_the_model_it_advertises(name, tmp_path, monkeypat
     tokens = config.max_steps * config.rows_per_step * dp_size * config.seq_len
     assert tokens == pytest.approx(TOKENS_PER_PARAMETER * total, rel=TOLERANCE)
 
-    docs = {"its header": path.read_text(), "README.md": (REPO / "README.md").read_text(),
+    docs = {"its header": path.read_text(), "docs/scale.md": (REPO / "docs" / "scale.md").read_text(),
             "training_scripts/models/README.md": (REPO / "training_scripts" / "models" / "README.md").read_text()}
     for where, text in docs.items():
         assert advertised.total in text and advertised.active in text, f"{name}: counts not stated in {where}"

@@ -347,9 +347,33 @@ def test_a_sigterm_to_one_process_checkpoints_every_process_and_train_exits_0(co
         command += [f"--{key}", json.dumps(value)]
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "stopped after step 4 on SIGTERM" in done.stdout
+    assert "[hf_asyncpp] stopped after step 4 on SIGTERM" in done.stderr  # the hf_asyncpp logger
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]
     assert not (out / "final").exists() and not (out / "log_history.json").exists()
 
     resumed = _trainer_run(corpus, out, "--resume", "True", eval_strategy="no", save_steps=0)
     assert resumed["global_step"] == STEPS and sorted(_losses(resumed["log_history"])) == list(range(1, STEPS + 1))
+
+
+# The step record's numbers under transformers' names (Trainer's own where it has one), in both outputs.
+HF_NAMED_KEYS = {"step", "epoch", "loss", "aux_loss", "learning_rate", "grad_norm", "num_input_tokens_seen",
+                 "train_tokens_per_second", "step_time_s"}
+
+
+@pytest.mark.multirank
+def test_log_history_and_metrics_jsonl_of_a_run_share_their_keys_and_values(corpus, tmp_path):
+    out = tmp_path / "keys"
+    # num_input_tokens_seen reaches log_history only when asked for, as in Trainer
+    history = _trainer_run(corpus, out, eval_strategy="no", save_steps=0, max_steps=3,
+                           include_num_input_tokens_seen=True)["log_history"]
+    logged = [entry for entry in history if "loss" in entry and "train_runtime" not in entry]
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [entry["step"] for entry in logged] == [record["step"] for record in records] == [1, 2, 3]
+    for entry, record in zip(logged, records):
+        assert set(entry) == HF_NAMED_KEYS
+        assert set(record) == HF_NAMED_KEYS | {"idle_fraction_per_rank", "weight_version_age_per_stage",
+                                               "skipped_updates_per_stage", "schedule"}  # lists stay in the file
+        assert {key: entry[key] for key in HF_NAMED_KEYS} == {key: record[key] for key in HF_NAMED_KEYS}
+    steps_per_epoch = 64 / (MBS * M)  # 64 training rows, one dp rank
+    assert [record["epoch"] for record in records] == [step / steps_per_epoch for step in (1, 2, 3)]
+    assert [record["num_input_tokens_seen"] for record in records] == [step * MBS * M * SEQ for step in (1, 2, 3)]

@@ -8,6 +8,7 @@ Held-out blocks are the eval dataset whole or, for a map-style train set, its la
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,17 @@ __all__ = ["TokenFreeRows", "TrainingData", "token_free_data", "training_data"]
 class TrainingData:
     sampler: MinibatchSampler | Prefetcher | TokenFreeRows  # .rows(step) → (rows_per_step, seq_len), this dp rank
     held_out: torch.Tensor | None  # (n, seq_len) validation blocks, or None
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """Steps in one pass over the training blocks (all dp ranks); infinite for a stream, whose
+        length is unknown, and for a rank that holds no tokens."""
+        return getattr(self.sampler, "steps_per_epoch", math.inf)
+
+    def epoch(self, step: int) -> float:
+        """Passes over the training blocks after `step` steps (transformers' `state.epoch`; 0 while
+        the length is unknown)."""
+        return step / self.steps_per_epoch
 
     @classmethod
     def from_datasets(cls, train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size: int,
