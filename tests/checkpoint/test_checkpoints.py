@@ -296,7 +296,7 @@ def test_an_asynchronous_checkpoint_resumes_with_another_dp_size(tmp_path):
         assert len(report["losses"]) == STEPS - AT and all(math.isfinite(x) for x in report["losses"]), report
 
 
-_TIMING = ("tokens_per_s", "step_time_s", "idle_fraction_per_rank")
+_TIMING = ("train_tokens_per_second", "step_time_s", "idle_fraction_per_rank")
 
 
 def _train_py(out, *overrides):
