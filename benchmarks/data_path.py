@@ -9,6 +9,9 @@ Measured:
   - map-style: the first load (read, tokenize through the cached `datasets.map`, pack) and a second
     load (from the cache), in tokens/s of the whole corpus;
   - streamed: `rows(step)` of `StreamingSampler` back to back (tokenize and pack on the fly), tokens/s;
+  - prepared: `hf-asyncpp prepare-data` of the same paragraphs written as 4 files, with 1 and with 2
+    processes (`num_proc`), tokens/s of the preparation; then a run's `rows(step)` from the prepared
+    shards, shuffled (random rows of the memory-mapped shards), tokens/s;
   - on the critical path: a loop that "trains" for `--step-ms` per step (a busy wait standing for the
     step's compute) and asks for each step's rows, streamed, directly and through `Prefetcher`: the
     mean time per step spent waiting for rows;
@@ -87,7 +90,30 @@ def main(argv: list[str] | None = None) -> None:
 
     def stream():
         return StreamingSampler(load_source(corpus, streaming=True), packer, args.rows_per_step, 0, 1,
-                                shuffle=False, seed=0)
+                                shuffle=False, seed=0, shuffle_window=1)  # unshuffled: the window is unused
+
+    from hf_asyncpp.data import MinibatchSampler
+    from hf_asyncpp.data.prepare import prepare_data
+    from hf_asyncpp.data.prepared import PreparedBlocks
+
+    lines = Path(corpus).read_text().splitlines(keepends=True)
+    files = os.path.join(cache, "files")
+    os.makedirs(files)
+    for i in range(4):  # prepare-data works in parallel over a source's files
+        Path(files, f"{i}.jsonl").write_text("".join(lines[i * len(lines) // 4:(i + 1) * len(lines) // 4]))
+    for num_proc in (1, 2):
+        start = time.perf_counter()
+        manifest = prepare_data(files, os.path.join(cache, f"prepared_{num_proc}"), "builtin", args.seq_len,
+                                num_proc=num_proc)
+        timings[f"prepare-data, {num_proc} process{'es' if num_proc > 1 else ''}"] = (
+            time.perf_counter() - start, manifest["tokens"])
+    mapped = MinibatchSampler(PreparedBlocks(os.path.join(cache, "prepared_2")), args.rows_per_step, 0, 1,
+                              shuffle=True, seed=0)
+    start = time.perf_counter()
+    for step in range(args.steps):
+        mapped.rows(step)
+    timings["prepared shards, rows(step) back to back (shuffled)"] = (
+        time.perf_counter() - start, args.steps * args.rows_per_step * args.seq_len)
 
     tokens_per_step = args.rows_per_step * args.seq_len
     sampler, start = stream(), time.perf_counter()

@@ -86,7 +86,7 @@ def _bubble_free_ms(engine, rows, repeats: int, group) -> tuple[float, float]:
     """This rank's (forward + backward, optimizer step) of one step outside the pipeline in ms, means
     over about `repeats` repetitions, measured while every rank runs its own at the same time: a
     pipeline without a bubble keeps every rank computing all along, and on CPU cores that share caches
-    and memory a rank computes 3–10% slower while the others compute too (README), so a limit
+    and memory a rank computes 3–10% slower while the others compute too (benchmarks/README.md), so a limit
     measured alone would be one no schedule can reach. Every rank repeats for the same wall time
     (`repeats` of the slowest rank's repetitions), so the slowest is never measured alone."""
     import torch

@@ -1,7 +1,7 @@
 """hf_asyncpp: synchronous and asynchronous pipeline-parallel pretraining of Hugging Face
 Mixture-of-Experts causal LMs on torch.distributed.pipelining."""
 
-from .checkpoint import export_hf_model, gather_full_state_dict
+from .checkpoint import export_checkpoint, export_hf_model, gather_full_state_dict
 from .config import ConfigError, TrainConfig, load_config, validate_config
 from .engine import PipelineEngine, build_full_model
 from .evaluation import PERPLEXITY_METRIC_PATH
@@ -47,6 +47,7 @@ __all__ = [
     "build_full_model",
     "build_stage_modules",
     "check_schedule",
+    "export_checkpoint",
     "export_hf_model",
     "gather_full_state_dict",
     "get_schedule_spec",

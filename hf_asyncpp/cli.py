@@ -1,19 +1,26 @@
 """The `hf-asyncpp` command: `hf-asyncpp train --config ...` (same as training_scripts/train.py),
-`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp prepare-data` (a corpus as
-pre-tokenized parquet shards), `hf-asyncpp plot <run_dir> ...`
+`hf-asyncpp push <dir> <repo_id>` (upload an export to the Hub), `hf-asyncpp export <checkpoint> <dir>`
+(a training checkpoint as an HF model directory, one process), `hf-asyncpp prepare-data` (a corpus as
+pre-tokenized Arrow shards), `hf-asyncpp plot <run_dir> ...`
 (loss curves as PNG), `hf-asyncpp study <study.yaml>` (a grid of runs with a results table and
 figures) and `hf-asyncpp schedules` (print each registered schedule's action lists)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
 _USAGE = """usage: hf-asyncpp <command> [args]
 
 commands:
-  train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1)
+  train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1);
+                                            train --help lists every config key
+  export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16]
+                                            a training checkpoint (any pp × dp layout) as an HF model
+                                            directory (weights, config, tokenizer, card), on one
+                                            process; dtype: the run's export_dtype unless given
   push DIR REPO_ID [--private]               upload an exported model directory (e.g. outputs/run/final)
                                             to the Hub; the token comes from HF_TOKEN or `hf auth login`
   plot RUN_DIR [RUN_DIR ...] [--out FILE] [--x step|tokens]
@@ -25,7 +32,7 @@ commands:
   prepare-data SOURCE OUT_DIR --seq_len N [--tokenizer T] [--text_column C] [--blocks_per_shard B]
                [--dataset_config_name X] [--dataset_split S] [--dataset_revision R]
                                             tokenize and pack a corpus (files or a Hub id, streamed)
-                                            into parquet shards + manifest.json; train with
+                                            into Arrow shards + manifest.json; train with
                                             `--dataset OUT_DIR` (no tokenizing, no network)
 """
 
@@ -65,6 +72,30 @@ def _push(argv: list[str]) -> int:
         print(f"error: upload of {args.folder} to {args.repo_id} failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     print(f"[hf_asyncpp] pushed {args.folder} to {args.repo_id}: {url}")
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    import argparse
+
+    from .checkpoint import CheckpointError, export_checkpoint
+    from .hub import checkpoint_model_card
+    from .resilience import NonFiniteError
+
+    parser = argparse.ArgumentParser(prog="hf-asyncpp export")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    parser.add_argument("out_dir", metavar="OUT_DIR")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "float32", "bfloat16"],
+                        help="the weights' dtype (default: the run's export_dtype)")
+    args = parser.parse_args(argv)
+    name = Path(args.out_dir).name
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype,
+                                model_card=lambda state, model_config: checkpoint_model_card(state, model_config, name))
+    except (CheckpointError, NonFiniteError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"[hf_asyncpp] exported {args.checkpoint} to {out}")
     return 0
 
 
@@ -127,11 +158,13 @@ def _prepare_data(argv: list[str]) -> int:
     parser.add_argument("--dataset_config_name")
     parser.add_argument("--dataset_split", default="train")
     parser.add_argument("--dataset_revision")
+    parser.add_argument("--num_proc", type=int, default=1, help="processes tokenizing the source's files in parallel")
+    parser.add_argument("--max_tokens", type=lambda s: int(float(s)), help="keep only the first N tokens (e.g. 41e9)")
     args = parser.parse_args(argv)
     try:
         manifest = prepare_data(args.source, args.out_dir, args.tokenizer, args.seq_len, args.text_column,
                                 args.blocks_per_shard, args.dataset_config_name, args.dataset_split,
-                                args.dataset_revision)
+                                args.dataset_revision, args.num_proc, args.max_tokens)
     except (DataError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -154,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         return _show_schedules(rest)
     if command == "push":
         return _push(rest)
+    if command == "export":
+        return _export(rest)
     if command == "study":
         return _study(rest)
     if command == "plot":

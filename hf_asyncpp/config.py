@@ -16,87 +16,135 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "check_model_fits", "check_settings", "check_step_boundaries", "config_from_values", "fit_to_one_process", "load_config", "validate_config"]
+__all__ = ["ConfigError", "OPTIMIZERS", "TrainConfig", "apply_launch_settings", "check_model_fits", "check_settings", "check_step_boundaries", "config_from_values", "fit_to_one_process", "load_config", "validate_config"]
 
+from .log import get_logger
 from .models.recompute import CHECKPOINTING_MODES
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
+
+logger = get_logger(__name__)
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; raised before any process group starts."""
 
 
+def _key(default, meaning: str):
+    """A config key: its default and what it means (shown by `train.py --help` and docs/config.md)."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": meaning})
+    return dataclasses.field(default=default, metadata={"help": meaning})
+
+
+# The section each group of keys belongs to, by its first key (keys after it, in order, join it).
+SECTION_STARTS = {"model_config": "model", "dataset": "data", "pp_size": "pipeline", "optimizer": "optimization",
+                  "output_dir": "output", "save_steps": "checkpoints", "nonfinite_policy": "failures"}
+
+
 @dataclass
 class TrainConfig:
-    # model
-    model_config: str = "tiny-moe"  # preset name, config.json, or HF model directory
-    init_from: str | None = None  # HF model directory whose weights start the run
-    attn_implementation: str | None = None  # sdpa / eager; None keeps the model's default
-    router_aux_loss_coef: float | None = None  # None keeps the model config's value
-    router_bias_update_rate: float = 0.001  # DeepSeek-V3 routing-bias step γ (0 freezes the bias)
-    # data
-    dataset: str = "shakespeare"  # "shakespeare" (offline corpus), text/jsonl/parquet files (globs ok) or a Hub id
-    dataset_config_name: str | None = None  # the Hub dataset's configuration (subset)
-    dataset_split: str = "train"  # the Hub dataset's split (local files are all one split)
-    dataset_revision: str | None = None  # the Hub datasets' revision (branch, tag or commit): a reproducible run pins it
-    streaming: bool = False  # read the dataset as a stream, packed on the fly (corpora too large to load)
-    text_column: str = "text"
-    preprocessing_num_workers: int | None = None  # processes tokenizing a map-style dataset (cached; None: one)
-    tokenizer: str = "builtin"  # "builtin" (shipped BPE) or an HF tokenizer directory
-    seq_len: int = 128
-    shuffle: bool = True
-    eval_fraction: float = 0.0  # share of the blocks held out for validation (the last ones; 0: none)
-    eval_dataset: str | None = None  # files or a Hub id (its eval_dataset_split) held out whole; replaces eval_fraction
-    eval_dataset_split: str = "validation"  # the Hub eval_dataset's split
-    eval_steps: int = 0  # evaluate every N steps (0: only at the end, when there is a held-out split)
-    # pipeline
-    pp_size: int = 2
-    schedule: str = "1f1b"
-    micro_batch_size: int = 8
-    n_microbatches: int = 4
-    stage_balance: str = "compute"  # compute / params / layers
-    stage_boundaries: list[int] | None = None  # first layer of each stage after the first
-    emulate_pp_size: int = 0  # asynchronous schedule on one process: the depth it emulates (0: 1)
-    sync_steps: int = 0  # asynchronous schedules: the first N steps synchronous, then the schedule (sync start)
-    fsdp: bool = True  # shard parameters, gradients, optimizer state, weight versions, EF over dp
-    mixed_precision: str = "auto"  # forward/backward dtype: auto (bf16 on GPUs) / bf16 / no
-    grad_reduce_dtype: str = "fp32"  # dtype gradients are averaged over dp in: fp32 / compute (bf16 compute: half the bytes)
-    activation_checkpointing: str = "none"  # recompute activations in the backward: none / full (layers) / selective (MLP/MoE)
-    compile_layers: bool = False  # torch.compile each decoder layer (models/compile.py)
-    # optimization
-    optimizer: str = "adamw"
-    learning_rate: float = 1e-3
-    momentum: float = 0.9  # SGD momentum; beta1 of Adam-type optimizers
-    beta2: float = 0.95
-    weight_decay: float = 0.0
-    muon_lr_scale: str = "original"  # Muon's LR scale by matrix shape: original / match_rms_adamw
-    muon_nesterov: bool = True
-    muon_adamw_patterns: list[str] | None = None  # regexes of names Muon leaves to AdamW (None: defaults)
-    soap_precondition_frequency: int = 10  # SOAP refreshes its eigenbases every N updates
-    soap_max_precond_dim: int = 4096  # SOAP leaves sides longer than this unrotated
-    ef: bool = False  # Error Feedback: apply u + ef_lambda·(u − u_prev) instead of the update u
-    ef_lambda: float = 1.0
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    lr_scheduler_type: str = "cosine"
-    warmup_steps: int = 0
-    max_steps: int = 100
-    seed: int = 42
-    # output
-    output_dir: str = "outputs/run"
-    logging_steps: int = 1
-    report_to: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])  # + wandb / trackio; none
-    save_final: bool = True
-    push_to_hub: bool = False  # upload final/ (weights, tokenizer, model card) to hub_model_id at the end
-    hub_model_id: str | None = None  # "namespace/name" on the Hub
-    max_shard_size: str = "5GB"  # the export's safetensors files: one below this size, shards + index above
-    save_steps: int = 0  # write a training checkpoint every N steps (0: never)
-    save_total_limit: int | None = None  # keep only the newest N checkpoints
-    resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in output_dir (if any yet)
-    threads_per_rank: int | None = None  # torch intra-op threads per rank (CPU)
-    # failures (resilience.py)
-    nonfinite_policy: str = "stop"  # a non-finite loss or gradient norm: stop, or skip that update and go on
-    nonfinite_skip_limit: int = 10  # skip: the run stops at the step that makes more steps skipped than this
-    comm_timeout_s: float = 600.0  # a rank waiting longer than this for another (dead or stalled) stops the run
+    """Every key of a run; `train.py --help` and docs/config.md are generated from the fields' help."""
+
+    model_config: str = _key("tiny-moe", "a preset (`hf_asyncpp.PRESETS`: tiny-moe, tiny-mixtral, tiny-llama, …), an "
+                             "HF config.json, or a model directory")
+    init_from: str | None = _key(None, "an HF model directory (e.g. an earlier run's final/) or, with the Hub reachable, "
+                                 "a model id, whose weights start the run; random init seeded by `seed` otherwise")
+    attn_implementation: str | None = _key(None, "sdpa or eager; none keeps the model's default")
+    router_aux_loss_coef: float | None = _key(None, "weight of the load-balancing loss in the objective; none keeps "
+                                              "the model config's")
+    router_bias_update_rate: float = _key(0.001, "DeepSeek-V3 routing-bias step γ: after each step every bias moves "
+                                          "±γ toward the mean expert load; 0 freezes the biases")
+    dataset: str = _key("shakespeare", "`shakespeare` (offline corpus), .txt/.jsonl/.parquet files (a glob or "
+                        "directory), a `prepare-data` directory, or a Hub dataset id")
+    dataset_config_name: str | None = _key(None, "the Hub dataset's configuration (subset)")
+    dataset_split: str = _key("train", "the Hub dataset's split (local files are one split)")
+    dataset_revision: str | None = _key(None, "revision (branch, tag or commit) of the Hub dataset and eval_dataset: "
+                                        "pin it for a reproducible run")
+    streaming: bool = _key(False, "read `dataset` as a stream, each dp rank its own documents, packed on the fly "
+                           "(corpora too large to load); holds nothing out: use eval_dataset")
+    text_column: str = _key("text", "the column holding text in json/parquet sources")
+    preprocessing_num_workers: int | None = _key(None, "processes tokenizing a map-style dataset (cached on disk; "
+                                                 "none: one)")
+    tokenizer: str = _key("builtin", "`builtin` (the shipped ByteLevel BPE, 8192 tokens) or an HF tokenizer directory")
+    seq_len: int = _key(128, "tokens per sample")
+    shuffle: bool = _key(True, "permute the blocks (seeded, once per epoch); false reads them in file order")
+    shuffle_window: int = _key(10_000, "a shuffled stream permutes its documents this many at a time (a resume "
+                               "reads one window again)")
+    eval_fraction: float = _key(0.0, "share of the blocks held out for validation (the last ones in file order); "
+                                "0: none")
+    eval_dataset: str | None = _key(None, "files or a Hub id held out whole for validation, instead of eval_fraction")
+    eval_dataset_split: str = _key("validation", "the split of a Hub eval_dataset")
+    eval_steps: int = _key(0, "also evaluate every N steps (0: only at the end, when there is a held-out set)")
+    pp_size: int = _key(2, "pipeline ranks (dp = world size / pp_size); forced to 1 without a launcher")
+    schedule: str = _key("1f1b", "gpipe, 1f1b, interleaved-1f1b, zbv (synchronous); pipedream-2bw, wpipe, pipedream "
+                         "(asynchronous; see docs/schedules.md)")
+    micro_batch_size: int = _key(8, "samples per microbatch")
+    n_microbatches: int = _key(4, "microbatches per optimizer step on each dp rank; the step's loss is their mean")
+    stage_balance: str = _key("compute", "how layers are split: compute (parameters a token touches), params "
+                              "(stored parameters) or layers (equal counts)")
+    stage_boundaries: list[int] | None = _key(None, "explicit split: the first layer of each stage after the first, "
+                                              "e.g. [3, 6, 9]")
+    emulate_pp_size: int = _key(0, "an asynchronous schedule on one process: the pipeline depth it emulates (0: 1; "
+                                "set from pp_size without a launcher)")
+    sync_steps: int = _key(0, "an asynchronous schedule: its first N steps run synchronously (every gradient "
+                           "fresh), then the schedule starts from their weights as from the start of training")
+    fsdp: bool = _key(True, "with dp > 1, shard parameters, gradients, optimizer state, weight versions and EF buffers "
+                      "over the dp replicas (FSDP2); false: whole replicas and an all-reduce")
+    mixed_precision: str = _key("auto", "compute dtype of the stages: auto (bf16 on GPUs, fp32 on CPU), bf16 or no; "
+                                "master weights and optimizer state stay fp32")
+    grad_reduce_dtype: str = _key("fp32", "dtype gradients are averaged over dp in: fp32, or compute (bf16 under "
+                                  "bf16 compute: half the bytes, one more rounding)")
+    activation_checkpointing: str = _key("none", "recompute activations in the backward: none, full (every decoder "
+                                         "layer) or selective (each layer's MLP / MoE block)")
+    compile_layers: bool = _key(False, "torch.compile each decoder layer (the pipeline stays eager)")
+    threads_per_rank: int | None = _key(None, "torch CPU threads per rank (none: cores / local ranks)")
+    optimizer: str = _key("adamw", "adamw, muon, soap, lion or sgd (see docs/optimizers.md)")
+    learning_rate: float = _key(1e-3, "peak learning rate")
+    momentum: float = _key(0.9, "SGD momentum; β1 of AdamW, SOAP and Lion; Muon's momentum")
+    beta2: float = _key(0.95, "β2 of AdamW and SOAP (also SOAP's factor EMA rate); Lion's momentum EMA rate")
+    weight_decay: float = _key(0.0, "decoupled for AdamW, SOAP and Lion, L2 for SGD; never on biases and norm "
+                               "weights (as transformers.Trainer)")
+    adam_epsilon: float = _key(1e-8, "ε of AdamW, SOAP and Muon's AdamW part")
+    muon_lr_scale: str = _key("original", "Muon's LR scale by matrix shape: original (sqrt(max(1, A/B))) or "
+                              "match_rms_adamw (0.2·sqrt(max(A, B)))")
+    muon_nesterov: bool = _key(True, "Nesterov momentum in Muon")
+    muon_adamw_patterns: list[str] | None = _key(None, "regular expressions of the parameter names Muon leaves to "
+                                                 "AdamW (none: embed_tokens, lm_head, gates, routers)")
+    soap_precondition_frequency: int = _key(10, "SOAP refreshes its eigenbases every N updates")
+    soap_max_precond_dim: int = _key(4096, "SOAP leaves a matrix side longer than this unrotated")
+    ef: bool = _key(False, "Error Feedback: apply u + ef_lambda·(u − u_prev) instead of the optimizer's update u")
+    ef_lambda: float = _key(1.0, "the Error Feedback weight λ (0 is exactly the plain optimizer)")
+    max_grad_norm: float = _key(1.0, "clip by the L2 norm (global for synchronous schedules, per stage for "
+                                "asynchronous ones); 0 disables")
+    lr_scheduler_type: str = _key("cosine", "any transformers scheduler name: linear, cosine, constant, "
+                                  "constant_with_warmup, …")
+    lr_scheduler_kwargs: dict | None = _key(None, "the schedule's own arguments (e.g. num_cycles, min_lr)")
+    warmup_steps: int = _key(0, "learning-rate warm-up steps")
+    max_steps: int = _key(100, "optimizer steps")
+    seed: int = _key(42, "model initialization and shuffle seed")
+    output_dir: str = _key("outputs/run", "where metrics, checkpoints and the export go; untouched if the config "
+                           "is invalid")
+    logging_steps: int = _key(1, "log every N steps (and the last)")
+    report_to: list[str] = _key(["tensorboard"], "trackers that also get the logged records: tensorboard, wandb, "
+                                "trackio, or none")
+    save_final: bool = _key(True, "export final/ at the end: an HF model directory with the tokenizer and a model card")
+    push_to_hub: bool = _key(False, "upload final/ to hub_model_id at the end (token from HF_TOKEN or "
+                             "`hf auth login`)")
+    hub_model_id: str | None = _key(None, "the Hub repository, namespace/name")
+    max_shard_size: str = _key("5GB", "the export's weights: one model.safetensors below this size, per-stage shards "
+                               "and an index above it")
+    export_dtype: str = _key("float32", "the export's weights: float32, or bfloat16 (cast from the fp32 masters)")
+    license: str = _key("apache-2.0", "the model card's license")
+    language: list[str] = _key(["en"], "the model card's language(s)")
+    save_steps: int = _key(0, "write a training checkpoint every N steps to output_dir/checkpoint-<step>/ (0: never)")
+    save_total_limit: int | None = _key(None, "keep only the newest N checkpoints")
+    resume_from_checkpoint: str | None = _key(None, "a checkpoint directory, or `latest` in output_dir (a fresh start "
+                                              "while there is none)")
+    nonfinite_policy: str = _key("stop", "a NaN or infinity in the loss or gradient norm (its update is never "
+                                 "applied): stop the run one step later, or skip and go on")
+    nonfinite_skip_limit: int = _key(10, "under skip: the run stops at the step that makes more than this many steps "
+                                     "skipped")
+    comm_timeout_s: float = _key(600.0, "seconds a rank waits for another (dead or stalled) before stopping the run")
 
     @property
     def rows_per_step(self) -> int:
@@ -132,6 +180,11 @@ def _coerce(key: str, value):
                     raise ValueError(value)
                 return value.lower() in ("true", "1", "yes")
             return bool(value)
+        if kind is dict:
+            value = yaml.safe_load(value) if isinstance(value, str) else value
+            if not isinstance(value, dict):
+                raise ValueError(value)
+            return dict(value)
         if kind is list:
             if isinstance(value, str):
                 value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
@@ -203,9 +256,9 @@ def fit_to_one_process(config: TrainConfig) -> None:
     spec = SCHEDULES.get(config.schedule)
     if spec is not None and not spec.synchronous and not config.emulate_pp_size:
         config.emulate_pp_size = config.pp_size
-        print(f"[hf_asyncpp] one process (no launcher): emulating {config.schedule} at depth {config.pp_size}")
+        logger.info(f"one process (no launcher): emulating {config.schedule} at depth {config.pp_size}")
     else:
-        print(f"[hf_asyncpp] one process (no launcher): pp_size {config.pp_size} → 1")
+        logger.info(f"one process (no launcher): pp_size {config.pp_size} → 1")
     config.pp_size = 1
 
 
@@ -230,6 +283,44 @@ def check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
         raise ConfigError(f"{purpose} are not supported for schedule '{spec.name}': {err}") from None
 
 
+def _check_lr_schedule(config: TrainConfig) -> None:
+    """The schedule's name, and its lr_scheduler_kwargs tried on a one-parameter optimizer."""
+    import torch
+    from transformers.trainer_utils import SchedulerType
+
+    from .optim import lr_scheduler_from_config
+
+    schedulers = [s.value for s in SchedulerType if s.value not in _METRIC_SCHEDULES]
+    _require(config.lr_scheduler_type in schedulers,
+             f"unknown lr_scheduler_type '{config.lr_scheduler_type}'; available: {', '.join(schedulers)}"
+             + (" (a schedule stepped by an evaluation metric is not supported)"
+                if config.lr_scheduler_type in _METRIC_SCHEDULES else ""))
+    try:
+        lr_scheduler_from_config(config, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"lr_scheduler_kwargs {config.lr_scheduler_kwargs} do not fit lr_scheduler_type "
+                          f"'{config.lr_scheduler_type}': {err}") from None
+
+
+# Schedules that step on an evaluation metric, which the engine's per-update step does not have.
+_METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+
+
+def apply_launch_settings(config: TrainConfig, launch) -> None:
+    """What the launcher was told, honoured or refused: `accelerate launch`'s mixed_precision
+    (parallel/launch.py: LaunchInfo.mixed_precision) replaces mixed_precision "auto"; fp16 / fp8, or
+    a value the run's config contradicts, is a ConfigError."""
+    asked = launch.mixed_precision
+    if asked is None:
+        return
+    _require(asked in ("no", "bf16"), f"accelerate launch asks for mixed_precision {asked}; hf_asyncpp computes "
+             "in bf16 (fp32 master weights) or fp32: set mixed_precision to bf16 or no in the accelerate config")
+    if config.mixed_precision == "auto":
+        config.mixed_precision = asked
+    _require(config.mixed_precision == asked, f"accelerate launch asks for mixed_precision {asked} but the run's "
+             f"mixed_precision is {config.mixed_precision}: make the accelerate config and the run's config agree")
+
+
 def _check_resume(config: TrainConfig) -> None:
     from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
 
@@ -246,11 +337,10 @@ def check_settings(config: TrainConfig, world_size: int):
     """Every check that needs neither the model nor the data (ranges, names, the schedule, the
     checkpoint to resume). Returns the schedule's spec."""
     # Imported here: config parsing stays light, validation needs the model and schedule layers.
-    from transformers.trainer_utils import SchedulerType
-
     from .schedules import get_schedule_spec
 
-    for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps"):
+    for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps",
+                "shuffle_window"):
         _require(getattr(config, key) >= 1, f"{key} must be at least 1, got {getattr(config, key)}")
     _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
     _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")
@@ -290,6 +380,12 @@ def check_settings(config: TrainConfig, world_size: int):
         parse_size_to_int(config.max_shard_size)
     except ValueError:
         raise ConfigError(f"max_shard_size must be a size such as 5GB or 500MB, got '{config.max_shard_size}'") from None
+    try:
+        from .checkpoint.hf_export import export_dtype
+
+        export_dtype(config.export_dtype)
+    except ValueError as err:
+        raise ConfigError(f"export_dtype: {err}") from None
     _require(not config.push_to_hub or (config.hub_model_id and config.save_final),
              "push_to_hub needs hub_model_id (namespace/name) and save_final: true")
     _require(0 <= config.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {config.eval_fraction}")
@@ -313,11 +409,8 @@ def check_settings(config: TrainConfig, world_size: int):
     _check_resume(config)
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
     _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")
-    schedulers = [s.value for s in SchedulerType]
-    _require(
-        config.lr_scheduler_type in schedulers,
-        f"unknown lr_scheduler_type '{config.lr_scheduler_type}'; available: {', '.join(schedulers)}",
-    )
+    _require(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
+    _check_lr_schedule(config)
     try:
         spec = get_schedule_spec(config.schedule)
     except ValueError as err:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM
 
 from .config import TrainConfig
 from .emulation import EmulatedPipeline
@@ -30,8 +30,9 @@ from .models.construct import has_safetensors
 from .models.compile import compile_layers
 from .models.recompute import apply_activation_checkpointing
 from .models.pipeline_loss import PipelineLoss
-from .optim import optimizer_from_config
+from .optim import lr_scheduler_from_config, optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
+from .optim.param_groups import decay_parameter_names
 from .parallel.fsdp import compute_dtype, fully_shard_stage, reduce_dtype, shard_parameters, unshard_parameters
 from .parallel.mesh import ParallelLayout, broadcast_from_first_replica
 from .resilience import NonFiniteGuard, TerminationRequest
@@ -56,19 +57,17 @@ class _Updater:
     """The optimizer and LR schedule of parameters that are updated together (the engine's modules
     `module_indices`, which hold stages `stages`)."""
 
-    def __init__(self, config: TrainConfig, module_indices: list[int], stages: list[int], named_params: list, order):
+    def __init__(self, config: TrainConfig, module_indices: list[int], stages: list[int], modules: list, order):
         self.module_indices, self.stages = module_indices, stages
         self.stage = stages[0]
+        named_params = [np for module in modules for np in module.named_parameters()]
         self.params = [p for _, p in named_params]
-        self.optimizer = optimizer_from_config(config, named_params)
+        self.optimizer = optimizer_from_config(config, named_params, decay_parameter_names(modules))
         # What applies an update: the optimizer, or Error Feedback around it.
         self.stepper = ErrorFeedback(self.optimizer, config.ef_lambda) if config.ef else self.optimizer
         # The LR schedule advances once per update: m times a step when stages update per microbatch.
         per_step = config.n_microbatches if order is not None and order.per_microbatch_updates else 1
-        self.lr_scheduler = get_scheduler(
-            config.lr_scheduler_type, self.optimizer, num_warmup_steps=config.warmup_steps * per_step,
-            num_training_steps=config.max_steps * per_step,
-        )
+        self.lr_scheduler = lr_scheduler_from_config(config, self.optimizer, per_step)
 
 
 class PipelineEngine:
@@ -122,8 +121,7 @@ class PipelineEngine:
         # different times and clip by their own norm), all local stages at once for synchronous ones.
         groups = [[i] for i in range(len(self.modules))] if order else [list(range(len(self.modules)))]
         self.updaters = [
-            _Updater(config, g, [self.stage_ids[i] for i in g], [np for i in g for np in self.modules[i].named_parameters()],
-                     order)
+            _Updater(config, g, [self.stage_ids[i] for i in g], [self.modules[i] for i in g], order)
             for g in groups
         ]
         # Asynchronous pipeline: microbatches bound to stashed weight versions (weight_versions.py).

@@ -1,12 +1,17 @@
 """The model card of an export, and its upload to the Hub.
 
-`render_model_card` fills `model_cards/model_card.md` (a Jinja template) through huggingface_hub's
-`ModelCard.from_template`, with `ModelCardData` for the YAML metadata the Hub reads (license,
-library, tags, datasets, model-index eval results). It states what a reader needs to trust the
+`render_model_card` fills `assets/model_card.md` (a Jinja template shipped in the package) through
+huggingface_hub's `ModelCard.from_template`, with `ModelCardData` for the YAML metadata the Hub reads
+(license and language from the config, library, tags, base_model, datasets, model-index eval
+results). Template variables: `architecture`, `training`, `data`, `origin`, `versions`,
+`eval_results`, `model_name`, `repo_id` (`model_card_facts`). It states what a reader needs to trust the
 weights: the architecture (total and active parameters, experts, top-k), the schedule and its
 weight-version rule, pp × dp, the optimizer with its momentum and Error Feedback λ, tokens, steps,
-throughput and the measured idle (bubble) fraction, which weights were exported, and the data (a
-Hub dataset is linked and listed in the metadata's `datasets`, so the Hub links the two).
+throughput and the measured idle (bubble) fraction, which weights were exported, where they started
+(`init_from`: a Hub id is the metadata's `base_model`, as transformers' Trainer names it; a local
+directory is named in the text only), and the data (a Hub dataset is linked and listed in the
+metadata's `datasets`, so the Hub links the two). `run_model_card` is the card of a run, used by the
+end-of-training export and by `hf-asyncpp export` alike.
 
 `push_to_hub` uploads a finished export directory with `HfApi.upload_folder`; the token comes from
 the environment or the HF login and is never written anywhere.
@@ -14,12 +19,14 @@ the environment or the HF login and is never written anywhere.
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
-__all__ = ["eval_results", "model_card_facts", "parameter_counts", "push_to_hub", "render_model_card"]
+__all__ = ["checkpoint_model_card", "eval_results", "model_card_facts", "parameter_counts", "push_to_hub",
+           "render_model_card", "run_model_card"]
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "model_card.md"
+TEMPLATE = Path(__file__).resolve().parent / "assets" / "model_card.md"
 
 
 def _count(n: int) -> str:
@@ -85,12 +92,21 @@ def _data_facts(config) -> dict:
     return dict(name=str(config.dataset), description=f"Local data: `{config.dataset}`.")
 
 
+def _origin(config, exported_from: str | None) -> dict:
+    """Where the weights started and which state was exported: `init_from` (a Hub id is the card's
+    base_model; a local directory is not one, as in transformers' own cards) and, for an export of a
+    training checkpoint, its name."""
+    start = config.init_from
+    return dict(init_from=start, base_model=start if start and not os.path.isdir(start) else None,
+                exported_from=exported_from, license=config.license, language=config.language)
+
+
 def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_record: dict, spec,
-                     data_description: str | None = None) -> dict:
+                     data_description: str | None = None, exported_from: str | None = None) -> dict:
     """Everything the template shows, from the run's config, the HF model config, (pp, dp), the last
     metrics record and the schedule spec. `data_description`: what the data was, in a front end's own
     words (datasets handed over in memory, which `config.dataset` cannot name); it replaces the
-    description derived from `config.dataset`."""
+    description derived from `config.dataset`. `exported_from`: the training checkpoint exported."""
     import torch
     import transformers
 
@@ -103,15 +119,15 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
         "max_grad_norm", "fsdp")}
     training.update(
         asynchronous=not spec.synchronous, schedule_description=spec.description, pp_size=pp_size,
-        dp_size=dp_size, steps=last_record.get("step", 0), tokens=last_record.get("tokens", 0),
-        tokens_per_s=round(last_record.get("tokens_per_s", 0.0)),
+        dp_size=dp_size, steps=last_record.get("step", 0), tokens=last_record.get("num_input_tokens_seen", 0),
+        tokens_per_s=round(last_record.get("train_tokens_per_second", 0.0)),
         idle_fraction_per_rank=", ".join(f"{x:.3f}" for x in last_record.get("idle_fraction_per_rank", [])),
         weight_version_ages=last_record.get("weight_version_age_per_stage"),
     )
     data = _data_facts(config) if data_description is None else dict(
         name=_first_line(data_description), description=data_description)
     return dict(architecture=_architecture(model_config), training=training, data=data,
-                versions={"hf_asyncpp": hf_asyncpp.__version__, "transformers": transformers.__version__,
+                origin=_origin(config, exported_from), versions={"hf_asyncpp": hf_asyncpp.__version__, "transformers": transformers.__version__,
                           "torch": torch.__version__, "python": platform.python_version()})
 
 
@@ -127,15 +143,16 @@ def eval_results(final_eval: dict, dataset_name: str) -> list:
                        metric_value=round(final_eval["eval_perplexity"], 2), **common)]
 
 
-def render_model_card(facts: dict, model_name: str, repo_id: str | None = None, eval_results: list | None = None,
-                      license: str = "apache-2.0"):
+def render_model_card(facts: dict, model_name: str, repo_id: str | None = None, eval_results: list | None = None):
     """A `huggingface_hub.ModelCard` (call `.save(path)`); eval_results: EvalResult list (model-index)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     if not TEMPLATE.is_file():
         raise FileNotFoundError(f"the model card template {TEMPLATE} is missing")
+    origin = facts["origin"]
     card_data = ModelCardData(
-        language="en", license=license, library_name="transformers", pipeline_tag="text-generation",
+        language=origin["language"], license=origin["license"], library_name="transformers",
+        pipeline_tag="text-generation", base_model=origin["base_model"],
         tags=["hf_asyncpp", "pipeline-parallel", facts["training"]["schedule"], facts["architecture"]["model_type"]],
         model_name=model_name, eval_results=eval_results or None,
         datasets=[facts["data"]["hub_id"]] if facts["data"].get("hub_id") else None,
@@ -145,9 +162,39 @@ def render_model_card(facts: dict, model_name: str, repo_id: str | None = None, 
                                    eval_results=eval_results or [], **facts)
 
 
+def run_model_card(config, model_config, layout_sizes: tuple[int, int], spec, last_record: dict,
+                   final_eval: dict | None = None, data_description: str | None = None, repo_id: str | None = None,
+                   model_name: str | None = None, exported_from: str | None = None) -> str:
+    """The card text of a run's export: named after repo_id, else `model_name`, else output_dir;
+    `final_eval` (eval_loss, eval_perplexity) becomes the model-index results."""
+    facts = model_card_facts(config, model_config, layout_sizes, last_record, spec, data_description, exported_from)
+    name = repo_id.split("/")[-1] if repo_id else model_name or Path(config.output_dir).name
+    results = eval_results(final_eval, facts["data"]["name"]) if final_eval else None
+    return render_model_card(facts, name, repo_id=repo_id, eval_results=results).content
+
+
+def checkpoint_model_card(run_state: dict, model_config, model_name: str) -> str:
+    """The card of a training checkpoint's export (`hf-asyncpp export`), from what its
+    pipeline_state.json keeps of the run; an evaluation counts only if it was at the checkpoint's step."""
+    import dataclasses
+
+    from .config import TrainConfig, config_from_values
+    from .schedules import get_schedule_spec
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = config_from_values({k: v for k, v in run_state["config"].items() if k in known})
+    step, last_eval = run_state["step"], run_state.get("last_eval")
+    return run_model_card(config, model_config, (run_state["pp_size"], run_state["dp_size"]),
+                          get_schedule_spec(config.schedule), run_state.get("last_record") or {},
+                          last_eval if last_eval and last_eval.get("step") == step else None,
+                          run_state.get("data_description"), config.hub_model_id, model_name,
+                          exported_from=f"checkpoint-{step}")
+
+
 def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, private: bool = False,
-                commit_message: str = "Upload model trained with hf_asyncpp") -> str:
-    """Create the repo if needed and upload every file of `folder`; returns the commit URL."""
+                commit_message: str = "Upload model trained with hf_asyncpp", revision: str | None = None) -> str:
+    """Create the repo (and the branch `revision`) if needed and upload every file of `folder` there;
+    returns the commit URL."""
     from huggingface_hub import HfApi
 
     folder = Path(folder)
@@ -155,5 +202,8 @@ def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, priv
         raise FileNotFoundError(f"{folder} is not an exported model directory (no config.json)")
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message)
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message,
+                             revision=revision)
     return str(getattr(info, "commit_url", info))

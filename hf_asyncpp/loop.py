@@ -1,8 +1,9 @@
 """One training run on this rank, whichever front end started it.
 
 `TrainingLoop` owns what happens around the engine's steps: the data position (resume continues at
-the next unseen block), logging records, evaluation, checkpoints, an early stop, the metrics file,
-trackers, the loss-curve PNG, the HF export and the model card. A front end decides only *when*:
+the next unseen block; a stream from the position its checkpoint saved), logging records,
+evaluation, checkpoints, an early stop, the metrics file, trackers, the loss-curve PNG, the HF export
+and the model card. A front end decides only *when*:
 `LoopHooks` is train.py's answer (the config's logging_steps / eval_steps / save_steps), and
 `AsyncPPTrainer` answers through transformers' callbacks. So train.py and the Trainer run the same
 steps on the same rows and log the same losses.
@@ -16,11 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .log import get_logger
+
 __all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "load_main_process_first", "step_record"]
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -34,10 +41,16 @@ class StepDecision:
 
 
 class LoopHooks:
-    """The script front end's decisions (the config's *_steps keys); events are not forwarded."""
+    """The script front end's decisions (the config's *_steps keys) and its `TrainerState`, which a
+    checkpoint carries as trainer_state.json (logged records and evaluations in its log_history)."""
 
     def __init__(self, config):
+        from transformers import TrainerState
+
         self.config = config
+        self.state = TrainerState(max_steps=config.max_steps, logging_steps=config.logging_steps,
+                                  eval_steps=config.eval_steps, save_steps=config.save_steps,
+                                  train_batch_size=config.rows_per_step)
 
     def on_step_begin(self, step: int) -> None:
         pass
@@ -51,30 +64,45 @@ class LoopHooks:
             save=bool(c.save_steps) and step % c.save_steps == 0,
         )
 
-    def checkpoint_state(self) -> dict:
-        """The front end's own state to keep in a checkpoint (JSON-serialisable)."""
-        return {}
+    def trainer_state(self, loop: "TrainingLoop", step: int):
+        """The front end's `transformers.TrainerState` after `step` steps, for a checkpoint."""
+        state = self.state
+        state.global_step, state.max_steps, state.num_input_tokens_seen = step, loop.end_step, loop.tokens_seen
+        state.epoch = loop.data.epoch(step)
+        state.num_train_epochs = math.ceil(loop.data.epoch(loop.end_step))
+        return state
+
+    def resumed_from(self, checkpoint: Path) -> None:
+        """A checkpoint was loaded: continue its TrainerState (log history included)."""
+        from transformers import TrainerState
+
+        from .checkpoint.checkpoints import TRAINER_STATE
+
+        self.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
 
     def on_log(self, record: dict) -> None:
-        pass
+        self.state.log_history.append(dict(record))
 
     def on_evaluate(self, results: dict) -> None:
-        pass
+        self.state.log_history.append(dict(results))
 
     def on_save(self, path: Path) -> None:
         pass
 
 
-def step_record(result, tokens_seen: int, schedule: str) -> dict:
-    """The logged record of one step (metrics.jsonl, trackers, the Trainer's log_history)."""
+def step_record(result, tokens_seen: int, epoch: float, tokens_per_second: float, schedule: str) -> dict:
+    """The logged record of one step (metrics.jsonl, trackers, the Trainer's log_history), under the
+    names transformers' Trainer logs where it has one: `learning_rate`, `epoch`, `num_input_tokens_seen`
+    (all dp ranks), `train_tokens_per_second` (this session's tokens over its wall time so far)."""
     return {
         "step": result.step,
+        "epoch": epoch,
         "loss": result.loss,
         "aux_loss": result.aux_loss,
-        "lr": result.lr,
+        "learning_rate": result.lr,
         "grad_norm": result.grad_norm,
-        "tokens": tokens_seen,
-        "tokens_per_s": result.tokens / result.step_time_s,
+        "num_input_tokens_seen": tokens_seen,
+        "train_tokens_per_second": tokens_per_second,
         "step_time_s": result.step_time_s,
         "idle_fraction_per_rank": result.idle_fraction_per_rank,
         "weight_version_age_per_stage": result.weight_version_age_per_stage,
@@ -129,8 +157,9 @@ class TrainingLoop:
         self.report_to = config.report_to if report_to is None else report_to
         self.progress_bar = progress_bar and layout.is_main
         self.start_step, self.tokens_seen = 0, 0
-        self.checkpoint_state: dict = {}  # what the checkpoint resumed from holds (trainer_state.json)
+        self.checkpoint_state: dict = {}  # what the checkpoint resumed from holds (pipeline_state.json)
         self.last_record: dict = {}
+        self.last_eval: dict | None = None  # the latest evaluation (kept in checkpoints, for their card)
         self.final_eval: dict | None = None
         self.end_step = config.max_steps
         self.terminated_at: int | None = None  # the step after which a SIGTERM ended the run
@@ -140,19 +169,25 @@ class TrainingLoop:
     def resume(self, resume_from: str) -> None:
         """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it.
         "latest" with no checkpoint yet starts from step 0."""
-        from .checkpoint.checkpoints import find_checkpoint, load_checkpoint
+        from .checkpoint.checkpoints import find_checkpoint, load_checkpoint, read_data_positions
 
         path = find_checkpoint(resume_from, self.config.output_dir)
         if path is None:
-            if self.layout.is_main:
-                print(f"[hf_asyncpp] no checkpoint in {self.config.output_dir} yet: starting from step 0")
+            logger.info(f"no checkpoint in {self.config.output_dir} yet: starting from step 0")
             return
         self.checkpoint_state = load_checkpoint(self.engine, self.layout, path)
         self.start_step, self.tokens_seen = self.checkpoint_state["step"], self.checkpoint_state["tokens_seen"]
         self.engine.guard.load_state_dict(self.checkpoint_state.get("nonfinite", {}))
+        self.last_record = self.checkpoint_state.get("last_record") or {}
+        self.last_eval = self.checkpoint_state.get("last_eval")
         self.engine.resume_after(self.start_step)
-        if self.layout.is_main:
-            print(f"[hf_asyncpp] resumed from {path} after step {self.start_step}")
+        self.hooks.resumed_from(path)
+        # A stream continues from its saved position; every rank learns if rank 0's is refused.
+        positions = read_data_positions(path)
+        replayed = load_main_process_first(self.layout, lambda: self.data.sampler.resume(self.start_step, positions))
+        if replayed and self.layout.is_main:
+            logger.warning(replayed)
+        logger.info(f"resumed from {path} after step {self.start_step}")
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -162,9 +197,7 @@ class TrainingLoop:
         from tqdm.auto import tqdm
 
         engine = self.engine
-        if self.layout.is_main:
-            print(f"[hf_asyncpp] {engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; "
-                  f"{engine.plan.describe()}")
+        logger.info(f"{engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; {engine.plan.describe()}")
         progress = tqdm(total=self.end_step, initial=self.start_step, disable=not self.progress_bar,
                         desc="train", unit="step")
         with self._termination_handled():
@@ -174,9 +207,8 @@ class TrainingLoop:
         if self.terminated_at is None and self.data.held_out is not None:
             self.final_eval = self.evaluate(self.end_step)
             self.hooks.on_evaluate(self.final_eval)
-            if self.layout.is_main:
-                print(f"[hf_asyncpp] validation loss {self.final_eval['eval_loss']:.4f}, "
-                      f"perplexity {self.final_eval['eval_perplexity']:.2f}")
+            logger.info(f"validation loss {self.final_eval['eval_loss']:.4f}, "
+                        f"perplexity {self.final_eval['eval_perplexity']:.2f}")
         self.close()
         return self.last_record
 
@@ -204,6 +236,7 @@ class TrainingLoop:
 
     def _steps(self, step: int, progress) -> None:
         engine = self.engine
+        session_start, session_tokens = time.perf_counter(), self.tokens_seen  # for train_tokens_per_second
         while step < self.end_step:
             self.hooks.on_step_begin(step)
             next_rows = self._rows(step + 1) if engine.forwards_ahead and step + 1 < self.end_step else None
@@ -213,9 +246,11 @@ class TrainingLoop:
             progress.update(1)
             decision = self.hooks.after_step(result, self.end_step)
             if decision.log:  # every rank: the values come from one all-reduce
-                self.last_record = step_record(result, self.tokens_seen, engine.spec.name)
+                tokens_per_second = (self.tokens_seen - session_tokens) / (time.perf_counter() - session_start)
+                self.last_record = step_record(result, self.tokens_seen, self.data.epoch(step), tokens_per_second,
+                                               engine.spec.name)
                 if self.layout.is_main:
-                    progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{self.last_record['tokens_per_s']:.0f}")
+                    progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_second:.0f}")
                     self._publish(self.last_record)
                 self.hooks.on_log(self.last_record)
             if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway
@@ -224,9 +259,8 @@ class TrainingLoop:
                 self.hooks.on_save(self.save(step))
             if result.termination_requested and step < self.end_step:
                 self.terminated_at = step
-                if self.layout.is_main:
-                    print(f"[hf_asyncpp] stopped after step {step} on SIGTERM; checkpoint-{step} is saved: run the "
-                          "same command with resume_from_checkpoint: latest to continue", flush=True)
+                logger.info(f"stopped after step {step} on SIGTERM; checkpoint-{step} is saved: run the same "
+                            "command with resume_from_checkpoint: latest to continue")
                 break
             if decision.stop and step < self.end_step:
                 self.end_step = engine.stop_after(step)
@@ -256,16 +290,21 @@ class TrainingLoop:
                                              self.layout.dp_rank, self.layout.dp_size)}
         if self.layout.is_main:
             self._publish(results)
+        self.last_eval = results
         return results
 
     def save(self, step: int) -> Path:
-        """A training checkpoint after `step` steps (collective), with the front end's own state."""
+        """A training checkpoint after `step` steps (collective): the engine's state, the front end's
+        TrainerState, the model's config and tokenizer, and what the run's card is made of."""
         from .checkpoint.checkpoints import save_checkpoint
 
-        state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
-                 "nonfinite": self.engine.guard.state_dict(), **self.hooks.checkpoint_state()}
-        return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, state,
-                               self.config.save_total_limit)
+        run_state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
+                     "nonfinite": self.engine.guard.state_dict(), "last_record": self.last_record,
+                     "last_eval": self.last_eval, "data_description": self.data_description}
+        trainer_state = dataclasses.asdict(self.hooks.trainer_state(self, step))
+        return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, run_state,
+                               self.config.save_total_limit, trainer_state, self.model_config, self.tokenizer,
+                               data_position=self.data.sampler.position(step))
 
     def close(self) -> None:
         """Close the metrics file and trackers and draw the loss curves (main process)."""
@@ -279,27 +318,22 @@ class TrainingLoop:
 
             write_loss_curves(self.config.output_dir)
         except (ValueError, OSError) as err:  # e.g. no step was logged: nothing to draw
-            print(f"[hf_asyncpp] no loss curves: {err}", file=sys.stderr)
+            logger.warning(f"no loss curves: {err}")
 
     # --- what the run leaves ---------------------------------------------------------------------
 
     def model_card(self, repo_id: str | None) -> str:
-        from .hub import eval_results, model_card_facts, render_model_card
+        from .hub import run_model_card
 
-        layout = self.layout
-        facts = model_card_facts(self.config, self.model_config, (layout.pp_size, layout.dp_size), self.last_record,
-                                 self.engine.spec, data_description=self.data_description)
-        name = repo_id.split("/")[-1] if repo_id else Path(self.config.output_dir).name
-        results = eval_results(self.final_eval, facts["data"]["name"]) if self.final_eval else None
-        return render_model_card(facts, name, repo_id=repo_id, eval_results=results).content
+        return run_model_card(self.config, self.model_config, (self.layout.pp_size, self.layout.dp_size),
+                              self.engine.spec, self.last_record, self.final_eval, self.data_description, repo_id)
 
     def export(self, out_dir: str | Path, repo_id: str | None = None) -> Path:
         """The HF model (safetensors, config, tokenizer, model card) in `out_dir` (collective)."""
-        from .checkpoint import export_hf_model
+        from .checkpoint import export_dtype, export_hf_model
 
         card = self.model_card(repo_id) if self.layout.is_main else None
         out = export_hf_model(self.engine.stage_state_dict(), self.layout, self.model_config, self.tokenizer,
-                              Path(out_dir), self.config.max_shard_size, card)
-        if self.layout.is_main:
-            print(f"[hf_asyncpp] saved {out}")
+                              Path(out_dir), self.config.max_shard_size, card, export_dtype(self.config.export_dtype))
+        logger.info(f"saved {out}")
         return out

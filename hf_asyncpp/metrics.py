@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from numbers import Number
 from pathlib import Path
 
-__all__ = ["ComputeTimer", "MetricsWriter", "ReducedStepStats", "StepResult", "idle_fraction", "theoretical_bubble"]
+__all__ = ["ComputeTimer", "MetricsWriter", "ReducedStepStats", "StepResult", "idle_fraction", "numeric_scalars",
+           "theoretical_bubble"]
 
 _COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -53,6 +55,13 @@ def idle_fraction(busy_s: float, step_time_s: float) -> float:
 def theoretical_bubble(pp_size: int, n_microbatches: int) -> float:
     """(p − 1) / (m + p − 1): the idle share of a flushed pipeline with equal stages."""
     return (pp_size - 1) / (n_microbatches + pp_size - 1)
+
+
+def numeric_scalars(record: dict) -> dict:
+    """The numbers of a logged record without its `step`, as trackers and `Trainer.log` take them:
+    lists (per rank, per stage), strings, booleans and None stay in metrics.jsonl only."""
+    return {key: value for key, value in record.items()
+            if key != "step" and isinstance(value, Number) and not isinstance(value, bool)}
 
 
 class MetricsWriter:

@@ -102,9 +102,9 @@ def _loss_series(train: list[dict], evals: list[dict], x: str, run_dir: Path) ->
     else:
         import numpy as np
 
-        if not train or any("tokens" not in record for record in train):
-            raise ValueError(f"{run_dir / 'metrics.jsonl'} has training records without 'tokens'")
-        train_x = [record["tokens"] for record in train]
+        if not train or any("num_input_tokens_seen" not in record for record in train):
+            raise ValueError(f"{run_dir / 'metrics.jsonl'} has training records without 'num_input_tokens_seen'")
+        train_x = [record["num_input_tokens_seen"] for record in train]
         # Evaluation records count held-out tokens, not training progress: place them at the tokens
         # seen by their step, interpolated between the logged training steps.
         eval_x = np.interp(eval_steps, train_steps, train_x).tolist()

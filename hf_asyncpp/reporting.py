@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from numbers import Number
 from pathlib import Path
+
+from .metrics import numeric_scalars
 
 __all__ = ["REPORTERS", "Reporters", "check_report_to"]
 
@@ -49,8 +50,7 @@ class Reporters:
 
     def log(self, values: dict, step: int) -> None:
         """Every numeric scalar of `values` at `step`; lists, strings, booleans and None are skipped."""
-        scalars = {key: value for key, value in values.items()
-                   if key != "step" and isinstance(value, Number) and not isinstance(value, bool)}
+        scalars = numeric_scalars(values)
         if scalars:
             for tracker in self._trackers:
                 tracker.log(scalars, step)

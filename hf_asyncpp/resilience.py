@@ -22,8 +22,12 @@ from __future__ import annotations
 import contextlib
 import signal
 
+from .log import get_logger
+
 __all__ = ["NONFINITE_POLICIES", "LocalFailure", "NonFiniteError", "NonFiniteGuard", "PeerLostError", "RunFailure",
            "TerminationRequest", "first_nonfinite", "lost_peers_reported"]
+
+logger = get_logger(__name__)
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -121,14 +125,14 @@ class NonFiniteGuard:
             raise NonFiniteError(f"{message}. nonfinite_policy is stop: the run stops; the weights hold no "
                                  "non-finite value and the last checkpoint is kept")
         if not any(stats.value("skipped_updates_per_stage")):  # reported; only skipped updates count
-            print(f"[hf_asyncpp] warning: {message}")
+            logger.warning(message)
             return
         self.skipped_steps.append(step)
         if len(self.skipped_steps) > self.skip_limit:
             raise NonFiniteError(f"{message}. That is {len(self.skipped_steps)} steps with non-finite values "
                                  f"(steps {', '.join(map(str, self.skipped_steps))}), more than nonfinite_skip_limit "
                                  f"({self.skip_limit}): the run stops; the last checkpoint is kept")
-        print(f"[hf_asyncpp] warning: {message} ({len(self.skipped_steps)} of {self.skip_limit} allowed)")
+        logger.warning(f"{message} ({len(self.skipped_steps)} of {self.skip_limit} allowed)")
 
     def state_dict(self) -> dict:
         return {"skipped_steps": list(self.skipped_steps)}
@@ -154,7 +158,8 @@ class TerminationRequest:
 
     def _handle(self, signum, frame) -> None:
         if not self.requested:
-            print("[hf_asyncpp] SIGTERM: saving a checkpoint at the next step boundary, then stopping", flush=True)
+            # A warning: said by the rank that received it, whichever it is.
+            logger.warning("SIGTERM: saving a checkpoint at the next step boundary, then stopping")
         self.requested = True
 
     @contextlib.contextmanager

@@ -15,16 +15,23 @@ import sys
 import time
 from pathlib import Path
 
+from .log import get_logger
+
 __all__ = ["main", "train"]
+
+logger = get_logger(__name__)
 
 
 def _parse_args(argv: list[str] | None):
+    from .config_docs import keys_help
+
     parser = argparse.ArgumentParser(
         prog="train.py",
-        description="Pipeline-parallel pretraining of an HF causal LM. Any config key can be overridden "
-        "as --key value.",
+        description="Pipeline-parallel pretraining of an HF causal LM.\nEvery config key below can be set in the "
+        "YAML file or as --key value (lists as --stage_boundaries 3,6);\ndocs/config.md has the same list.",
+        epilog=f"config keys:\n{keys_help()}", formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML config file (keys: see README, 'Config reference')")
+    parser.add_argument("--config", help="YAML config file")
     return parser.parse_known_args(argv)
 
 
@@ -47,7 +54,7 @@ def _push(folder: Path, repo_id: str) -> str | None:
     from .hub import push_to_hub
 
     try:
-        print(f"[hf_asyncpp] pushed to {repo_id}: {push_to_hub(folder, repo_id)}")
+        logger.info(f"pushed to {repo_id}: {push_to_hub(folder, repo_id)}")
         return None
     except Exception as err:  # network, auth, server
         message = f"upload of {folder} to {repo_id} failed ({type(err).__name__}: {err}); the export is kept"
@@ -101,12 +108,13 @@ def train(config, model_config, launch) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse_args(argv)
-    from .config import ConfigError, fit_to_one_process, load_config, validate_config
+    from .config import ConfigError, apply_launch_settings, fit_to_one_process, load_config, validate_config
     from .parallel.launch import LaunchError, read_launch
 
     try:
         config = load_config(args.config, overrides)
         launch = read_launch()
+        apply_launch_settings(config, launch)
         if not launch.launched:
             fit_to_one_process(config)
         model_config = validate_config(config, launch.world_size)
@@ -125,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if "terminated_at" in record:
         return 0
-    if _is_reporting_rank():
-        print(f"[hf_asyncpp] done in {time.time() - start:.1f}s")
+    logger.info(f"done in {time.time() - start:.1f}s")
     return 1 if record.get("push_error") else 0
 
 

@@ -8,12 +8,16 @@
 Every process of the launch (accelerate launch / torchrun) builds the same model and Trainer; the
 Trainer cuts the model into this rank's stages and drives the same `TrainingLoop` and
 `PipelineEngine` as train.py. What Trainer users rely on maps onto it: the callbacks decide when to
-log, evaluate and save (DefaultFlowCallback, and any `TrainerControl` a user callback sets, including
-an early stop); log_history holds the train loss (mean since the last log, as Trainer logs it), the
-aux loss beside it, grad norm and learning rate, and eval_loss / eval_perplexity; `report_to`
+log, evaluate and save (DefaultFlowCallback with "steps", "epoch" or "best", and any `TrainerControl`
+a user callback sets, including EarlyStoppingCallback's stop); epoch events fire at the step that ends
+an epoch; state.best_metric and best_model_checkpoint are set as Trainer sets them; log_history holds
+the numbers of metrics.jsonl's records under the same names (the train and aux loss as means since the
+last log, as Trainer logs its loss), and eval_loss / eval_perplexity; `report_to`
 reaches the usual integration callbacks; checkpoints are the pipeline's (sharded, every rank) in
-output_dir/checkpoint-<step>, with the log history in them; `save_model` writes the HF export
-(output_dir/final unless told otherwise) and the card describes what was really done (pretraining
+output_dir/checkpoint-<step>, with the Trainer's state in trainer_state.json (log history, best
+metric, callbacks' states; `TrainerState.load_from_json` reads it); `save_model` writes the HF export
+(output_dir/final unless told otherwise), pushed as Trainer pushes (push_to_hub, hub_strategy end /
+every_save, hub_revision), and the card describes what was really done (pretraining
 from scratch, the optimizer, the schedule). Gradient clipping is by the global norm over all stages
 and dp ranks for synchronous schedules; asynchronous ones clip each stage by its own norm (a
 pipeline-wide norm would make every stage wait for all others each step).
@@ -25,11 +29,12 @@ import atexit
 import dataclasses
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 from transformers import Trainer
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from .config import ConfigError, check_model_fits, check_settings, check_step_boundaries
 from .loop import LoopHooks, StepDecision, TrainingLoop
@@ -71,52 +76,126 @@ def _describe(train_dataset, eval_dataset) -> str:
     return text
 
 
-class _TrainerHooks(LoopHooks):
-    """The loop's decisions and events, answered by the Trainer's callbacks and state."""
+def _mean(values: list[float], finite_only: bool) -> float:
+    """The logged mean; `finite_only` (logging_nan_inf_filter) leaves out non-finite values, as Trainer
+    does, unless none is finite."""
+    kept = [v for v in values if math.isfinite(v)] if finite_only else values
+    return sum(kept or values) / len(kept or values)
 
-    def __init__(self, trainer: "AsyncPPTrainer"):
+
+class _TrainerHooks(LoopHooks):
+    """The loop's decisions and events, answered by the Trainer's callbacks and state.
+
+    An epoch is the train blocks once over (`rows_per_epoch`), at `rows_per_step` rows a step on all dp
+    ranks together (data/samplers.py: a step may straddle two epochs; it ends the first). Epoch events
+    fire at the step that reads an epoch's last block, and at the run's last step, as Trainer fires
+    them when an epoch's batches or max_steps run out. The loop reads a StepDecision's `save` and
+    `stop` after the step's evaluation, so an evaluation can still decide them (save_strategy "best",
+    an EarlyStoppingCallback)."""
+
+    def __init__(self, trainer: "AsyncPPTrainer", rows_per_epoch: int | None, rows_per_step: int):
         self.trainer = trainer
+        self.rows_per_epoch, self.rows_per_step = rows_per_epoch, rows_per_step
         self.since_last_log: list = []  # StepResults not yet in a logged mean
+        self.decision: StepDecision | None = None  # the decision of the step in progress
+
+    def ends_epoch(self, steps_done: int) -> bool:
+        if not self.rows_per_epoch or steps_done == 0:
+            return False
+        rows, per_epoch = self.rows_per_step, self.rows_per_epoch
+        return steps_done * rows // per_epoch > (steps_done - 1) * rows // per_epoch  # epochs completed grew
 
     def on_step_begin(self, step: int) -> None:
         t = self.trainer
+        if step == t.loop.start_step or self.ends_epoch(step):
+            t.control = t.callback_handler.on_epoch_begin(t.args, t.state, t.control)
         t.control = t.callback_handler.on_step_begin(t.args, t.state, t.control)
 
     def after_step(self, result, last_step: int) -> StepDecision:
         t = self.trainer
         self.since_last_log.append(result)
         t.state.global_step = result.step
-        t.state.epoch = result.step / t.steps_per_epoch
+        t.state.epoch = t.loop.data.epoch(result.step)
         t.state.num_input_tokens_seen = t.loop.tokens_seen
         t.control = t.callback_handler.on_step_end(t.args, t.state, t.control)
+        if self.ends_epoch(result.step) or result.step == last_step:
+            t.control = t.callback_handler.on_epoch_end(t.args, t.state, t.control)
         c = t.control
-        decision = StepDecision(log=c.should_log, evaluate=c.should_evaluate, save=c.should_save,
-                                stop=c.should_training_stop)
+        self.decision = StepDecision(log=c.should_log, evaluate=c.should_evaluate, save=c.should_save,
+                                     stop=c.should_training_stop)
         c.should_log = c.should_evaluate = c.should_save = False
-        return decision
+        return self.decision
 
     def on_log(self, record: dict) -> None:
+        """The record's numbers under the same names (metrics.py: numeric_scalars), the losses as their
+        mean since the last log, as Trainer logs its loss."""
+        from .metrics import numeric_scalars
+
         window, self.since_last_log = self.since_last_log, []
-        self.trainer.log({
-            "loss": sum(r.loss for r in window) / len(window),
-            "aux_loss": sum(r.aux_loss for r in window) / len(window),
-            "grad_norm": record["grad_norm"],
-            "learning_rate": record["lr"],
-            "tokens_per_second": record["tokens_per_s"],
-        })
+        args, finite_only = self.trainer.args, self.trainer.args.logging_nan_inf_filter
+        logs = {**numeric_scalars(record), "loss": _mean([r.loss for r in window], finite_only),
+                "aux_loss": _mean([r.aux_loss for r in window], finite_only)}
+        if args.include_num_input_tokens_seen in ("no", False):  # as Trainer: logged only when asked for
+            logs.pop("num_input_tokens_seen", None)
+        self.trainer.log(logs)
 
     def on_evaluate(self, results: dict) -> None:
+        """Log, the callbacks' on_evaluate, then the best metric (Trainer's order: EarlyStoppingCallback
+        compares with the best before this evaluation)."""
         t = self.trainer
         metrics = {k: v for k, v in results.items() if k.startswith("eval_")}
         t.log(metrics)
         t.control = t.callback_handler.on_evaluate(t.args, t.state, t.control, metrics=metrics)
+        is_new_best = t._determine_best_metric(metrics, None)  # transformers' own rule
+        self._note_best_checkpoint()
+        if self.decision is not None:
+            if t.args.save_strategy == "best":
+                self.decision.save = is_new_best
+            self.decision.stop = self.decision.stop or t.control.should_training_stop
+
+    def _note_best_checkpoint(self) -> None:
+        """state.best_model_checkpoint: checkpoint-<best_global_step>, once it exists (Trainer's rule)."""
+        state = self.trainer.state
+        if state.best_global_step:
+            best = Path(self.trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"
+            if best.is_dir():
+                state.best_model_checkpoint = str(best)
 
     def on_save(self, path: Path) -> None:
         t = self.trainer
+        self._note_best_checkpoint()
+        if t.args.push_to_hub and t.args.hub_strategy == "every_save":
+            progress = f"step {t.state.global_step}" if t.args.save_strategy == "steps" else f"epoch {int(t.state.epoch)}"
+            try:
+                t.push_to_hub(commit_message=f"Training in progress, {progress}")
+            except Exception as err:  # noqa: BLE001 — an upload failing mid-run must not end it on rank 0 alone
+                print(f"[hf_asyncpp] warning: pushing {PREFIX_CHECKPOINT_DIR}-{t.state.global_step}'s export failed "
+                      f"({type(err).__name__}: {err}); training continues", file=sys.stderr)
         t.control = t.callback_handler.on_save(t.args, t.state, t.control)
 
-    def checkpoint_state(self) -> dict:
-        return {"log_history": self.trainer.state.log_history}
+    def trainer_state(self, loop, step: int):
+        """The Trainer's own state, with its callbacks' (EarlyStoppingCallback's patience, TrainerControl)
+        as Trainer saves them."""
+        from transformers import TrainerState
+        from transformers.trainer_callback import ExportableState
+
+        t = self.trainer
+        exportable = [cb for cb in t.callback_handler.callbacks + [t.control] if isinstance(cb, ExportableState)]
+        t.state.stateful_callbacks = TrainerState(stateful_callbacks=exportable).stateful_callbacks
+        return t.state
+
+    def resumed_from(self, checkpoint: Path) -> None:
+        """The checkpoint's TrainerState replaces the Trainer's, and its callbacks' states are restored,
+        as Trainer does when it resumes."""
+        from transformers import TrainerState
+
+        from .checkpoint.checkpoints import TRAINER_STATE
+
+        t = self.trainer
+        state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
+        state.is_world_process_zero, state.is_local_process_zero = t.state.is_world_process_zero, t.state.is_local_process_zero
+        t.state = state
+        t._load_callback_state()
 
 
 class AsyncPPTrainer(Trainer):
@@ -139,6 +218,8 @@ class AsyncPPTrainer(Trainer):
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ConfigError(f"eval_strategy is '{args.eval_strategy.value}' but there is no eval_dataset: "
                               "pass eval_dataset or set eval_strategy to 'no'")
+        if args.eval_on_start and eval_dataset is None:
+            raise ConfigError("eval_on_start is set but there is no eval_dataset: pass eval_dataset")
         config = self._config_for(args, model.config, train_dataset, eval_dataset, processing_class)
         data = self._prepare_data(args, config, model, train_dataset, eval_dataset, processing_class)
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -181,10 +262,11 @@ class AsyncPPTrainer(Trainer):
                               f"{model_config.vocab_size}")
         check_model_fits(config, model_config)
         spec = get_schedule_spec(config.schedule)
-        if args.save_strategy == "steps":
+        if args.save_strategy != "no":
             check_step_boundaries(spec, dataclasses.replace(config, save_steps=1), "training checkpoints")
-        if args.eval_strategy == "steps":
-            check_step_boundaries(spec, config, "evaluations during training (eval_strategy 'steps'; the final one works)")
+        if args.eval_strategy != "no" or args.eval_on_start:
+            check_step_boundaries(spec, config, f"evaluations during training (eval_strategy '{args.eval_strategy.value}'"
+                                                f"{', eval_on_start' if args.eval_on_start else ''}; the final one works)")
         return config
 
     def _prepare_data(self, args, config, model, train_dataset, eval_dataset, tokenizer):
@@ -201,10 +283,15 @@ class AsyncPPTrainer(Trainer):
                                               model.config.vocab_size)
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(str(err)) from None
-        blocks = getattr(data.sampler, "blocks", None)  # None for a streamed train set
-        self.steps_per_epoch = blocks.shape[0] / (config.rows_per_step * dp_size) if blocks is not None else math.inf
+        self.steps_per_epoch = data.steps_per_epoch  # infinite for a streamed train set
+        finite = not math.isinf(self.steps_per_epoch)
+        self.rows_per_epoch = round(self.steps_per_epoch * config.rows_per_step * dp_size) if finite else None
+        epochal = [k for k in ("logging_strategy", "eval_strategy", "save_strategy") if getattr(args, k) == "epoch"]
+        if not finite and epochal:
+            raise ConfigError(f"{', '.join(epochal)} 'epoch' needs epochs, but a streamed train_dataset has no length: "
+                              "use 'steps'")
         if args.max_steps <= 0:
-            if blocks is None:
+            if not finite:
                 raise ConfigError("a streamed train_dataset has no length: set max_steps")
             config.max_steps = max(1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
         config.warmup_steps = args.get_warmup_steps(config.max_steps)
@@ -220,8 +307,9 @@ class AsyncPPTrainer(Trainer):
         layout = init_parallel(read_launch(), config.pp_size, config.comm_timeout_s)
         engine = PipelineEngine(config, model.config, layout, model=model)
         atexit.register(self._shutdown)
-        return TrainingLoop(config, model.config, layout, engine, data, tokenizer, hooks=_TrainerHooks(self),
-                            report_to=[], progress_bar=False)
+        hooks = _TrainerHooks(self, self.rows_per_epoch, config.rows_per_step * layout.dp_size)
+        return TrainingLoop(config, model.config, layout, engine, data, tokenizer, hooks=hooks, report_to=[],
+                            progress_bar=False)
 
     def _shutdown(self) -> None:
         """Tear the process group down at exit after a completed run (gloo can abort otherwise); after a
@@ -243,7 +331,7 @@ class AsyncPPTrainer(Trainer):
 
         if self._trained:
             raise RuntimeError("this AsyncPPTrainer has trained already; build a new one to train again")
-        loop, args, state = self.loop, self.args, self.state
+        loop, args = self.loop, self.args
         if resume_from_checkpoint:
             where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             try:
@@ -253,8 +341,8 @@ class AsyncPPTrainer(Trainer):
                 verify_checkpoint(found)
             except (CheckpointError, OSError, ValueError) as err:
                 raise ConfigError(str(err)) from None
-            loop.resume(where)
-            state.log_history = list(loop.checkpoint_state.get("log_history", []))
+            loop.resume(where)  # the checkpoint's TrainerState becomes self.state (_TrainerHooks.resumed_from)
+        state = self.state
         state.max_steps = loop.end_step
         state.compute_steps(args, loop.end_step)
         state.global_step = loop.start_step
@@ -263,6 +351,8 @@ class AsyncPPTrainer(Trainer):
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         start = time.time()
         with lost_peers_reported(loop.layout.rank, loop.config.comm_timeout_s):  # as train.py reports it
+            if args.eval_on_start:
+                self.evaluate()
             loop.run()
         self._trained = True
         if loop.terminated_at is not None:  # SIGTERM: the checkpoint is saved; the process ends as asked
@@ -300,6 +390,9 @@ class AsyncPPTrainer(Trainer):
             raise ValueError(f"save_model would replace {out}, which holds the run's checkpoints; "
                              "export into a subdirectory (default: final/)")
         self.loop.export(out, self.args.hub_model_id)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model
+            self.callback_handler.on_push_begin(self.args, self.state, self.control)
+            self._upload(out, "Model save")
 
     def create_model_card(self, model_name: str | None = None, **kwargs) -> None:
         """The card of the export in output_dir/final (the loop's, not Trainer's fine-tuning draft)."""
@@ -311,18 +404,26 @@ class AsyncPPTrainer(Trainer):
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None,
                     **kwargs) -> str | None:
-        """Export to output_dir/final and upload it to args.hub_model_id (collective; the commit URL on
-        the main process, None elsewhere)."""
+        """Export to output_dir/final and upload it to args.hub_model_id, on the branch `revision`
+        (default: args.hub_revision, else main; created if missing). Collective; the commit URL on the
+        main process, None elsewhere."""
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        out = Path(self.args.output_dir) / "final"
+        self.save_model(str(out), _internal_call=True)
+        return self._upload(out, commit_message or "End of training", token, revision, private)
+
+    def _upload(self, folder: Path, commit_message: str, token: str | None = None, revision: str | None = None,
+                private: bool | None = None) -> str | None:
+        """The export in `folder` to the Hub from the main process (the commit URL; None elsewhere)."""
         from .hub import push_to_hub
 
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        self.save_model()
         if not self.is_world_process_zero():
             return None
         repo_id = self.args.hub_model_id or Path(self.args.output_dir).name
-        return push_to_hub(Path(self.args.output_dir) / "final", repo_id, token=token or self.args.hub_token,
+        return push_to_hub(folder, repo_id, token=token or self.args.hub_token,
                            private=bool(private if private is not None else self.args.hub_private_repo),
-                           commit_message=commit_message or "End of training")
+                           commit_message=commit_message,
+                           revision=revision if revision is not None else self.args.hub_revision)
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Nothing at construction: push_to_hub creates the repository when it uploads."""

@@ -9,6 +9,8 @@ Environment:
                      step, its gradient dropped; nothing non-finite is involved.
   SLOW_DATA=s        rank 0 takes s seconds longer to prepare the dataset (the others wait for it).
   RECORD_READS=dir   each rank that opens a dataset source writes dir/rank-N (no fault: a witness).
+  SIGTERM_AT_STEP=k  rank 0 sends itself SIGTERM as step k begins (0-based): every rank stops one step
+                     later with a checkpoint there, like a preemption, but at a known step.
   KILL_IN_SAVE=n     rank 1 kills itself (SIGKILL) in the middle of the n-th checkpoint save (1-based),
                      right after its shard is on disk: the save is not finished.
 """
@@ -69,6 +71,21 @@ def record_reads(directory: str) -> None:
     run_data.load_source = recorded
 
 
+def sigterm_at_step(k: int) -> None:
+    import signal
+
+    from hf_asyncpp.loop import LoopHooks
+
+    original = LoopHooks.on_step_begin
+
+    def begin(self, step):
+        if step == k and os.environ.get("RANK") == "0":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, step)
+
+    LoopHooks.on_step_begin = begin
+
+
 def kill_in_save(n: int) -> None:
     import signal
 
@@ -114,6 +131,8 @@ if __name__ == "__main__":
         slow_data(float(os.environ["SLOW_DATA"]))
     if "RECORD_READS" in os.environ:
         record_reads(os.environ["RECORD_READS"])
+    if "SIGTERM_AT_STEP" in os.environ:
+        sigterm_at_step(int(os.environ["SIGTERM_AT_STEP"]))
     if "KILL_IN_SAVE" in os.environ:
         kill_in_save(int(os.environ["KILL_IN_SAVE"]))
     sys.exit(run.main(sys.argv[1:]))

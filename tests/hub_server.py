@@ -1,9 +1,10 @@
 """A loopback HTTP server answering the few Hub endpoints huggingface_hub's upload path calls, so the
 real client runs end to end offline (reached through HF_ENDPOINT). Tests only.
 
-Endpoints: repo creation, YAML validation, pre-upload (every file "regular": sent inline in the
-commit), and the commit itself, whose files are decoded and kept in `received`. `fail_commits` makes
-the commit endpoint answer 500, as an unavailable Hub would.
+Endpoints: repo creation, branch creation, YAML validation, pre-upload (every file "regular": sent
+inline in the commit), and the commit itself, whose files are decoded and kept in `received` and
+whose (repo, branch, summary) is appended to `commits`. `fail_commits` makes the commit endpoint
+answer 500, as an unavailable Hub would.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import base64
 import json
 import re
 import threading
+from urllib.parse import unquote
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 __all__ = ["LoopbackHub"]
@@ -21,6 +23,7 @@ class LoopbackHub:
     def __init__(self):
         self.received: dict[str, dict[str, bytes]] = {}  # repo id → path → content
         self.requests: list[tuple[str, str, dict]] = []  # (method, path, headers)
+        self.commits: list[tuple[str, str, str]] = []  # (repo id, branch, commit summary)
         self.fail_commits = False
         hub = self
 
@@ -50,12 +53,16 @@ class LoopbackHub:
                     files = json.loads(body)["files"]
                     return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
                                                        for f in files]})
-                if m := re.fullmatch(r"/api/models/(.+)/commit/[^/]+", path):
+                if re.fullmatch(r"/api/models/(.+)/branch/[^/]+", path):
+                    return self._reply(200, {})
+                if m := re.fullmatch(r"/api/models/(.+)/commit/([^/]+)", path):
                     if hub.fail_commits:
                         return self._reply(500, {"error": "the Hub is unavailable"})
                     repo = m.group(1)
                     for line in body.decode().splitlines():
                         item = json.loads(line)
+                        if item["key"] == "header":
+                            hub.commits.append((repo, unquote(m.group(2)), item["value"]["summary"]))
                         if item["key"] == "file":
                             value = item["value"]
                             hub.received.setdefault(repo, {})[value["path"]] = base64.b64decode(value["content"])

@@ -21,6 +21,30 @@ def test_yaml_values_and_command_line_overrides_are_typed(tmp_path):
     assert config.rows_per_step == config.micro_batch_size * config.n_microbatches
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no optimizer step needed
+def test_the_optimizers_epsilon_and_the_schedules_own_arguments_reach_them():
+    """adam_epsilon is AdamW's ε; lr_scheduler_kwargs go to transformers' schedule (checked against
+    transformers' cosine-with-restarts schedule built directly)."""
+    import torch
+    from transformers import get_cosine_with_hard_restarts_schedule_with_warmup
+
+    from hf_asyncpp.optim import lr_scheduler_from_config, optimizer_from_config
+
+    config = load_config(None, ["--adam_epsilon", "1e-6", "--lr_scheduler_type", "cosine_with_restarts",
+                                "--lr_scheduler_kwargs", '{"num_cycles": 3}', "--max_steps", "12", "--warmup_steps", "2"])
+    assert config.lr_scheduler_kwargs == {"num_cycles": 3}
+    param = torch.nn.Parameter(torch.zeros(2))
+    ours = optimizer_from_config(config, [("w", param)])
+    assert ours.param_groups[0]["eps"] == 1e-6
+    schedule = lr_scheduler_from_config(config, ours)
+    theirs = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=config.learning_rate)
+    reference = get_cosine_with_hard_restarts_schedule_with_warmup(theirs, 2, 12, num_cycles=3)
+    for _ in range(12):
+        assert schedule.get_last_lr() == reference.get_last_lr()
+        schedule.step()
+        reference.step()
+
+
 def test_a_value_of_the_wrong_type_names_the_key():
     with pytest.raises(ConfigError, match="max_steps.*int"):
         load_config(None, ["--max_steps", "ten"])
@@ -56,6 +80,7 @@ BAD_INPUTS = {
     "missing init_from": (["--init_from", "/nonexistent/model"], 2, "init_from '/nonexistent/model' is not a model directory"),
     "SOAP never refreshing": (["--optimizer", "soap", "--soap_precondition_frequency", "0"], 2,
                               "soap_precondition_frequency must be at least 1 .*got 0"),
+    "empty shuffle window": (["--shuffle_window", "0"], 2, "shuffle_window must be at least 1, got 0"),
     "SOAP rotating no side": (["--soap_max_precond_dim", "-1"], 2, "soap_max_precond_dim must be at least 1 .*got -1"),
     "Muon pattern not a regex": (["--optimizer", "muon", "--muon_adamw_patterns", "lm_head,(unclosed"], 2,
                                  "muon_adamw_patterns: '\\(unclosed' is not a regular expression"),
@@ -80,11 +105,19 @@ BAD_INPUTS = {
     "negative sync_steps": (["--schedule", "pipedream-2bw", "--sync_steps", "-1"], 2, "sync_steps must be >= 0"),
     "sync_steps reaching max_steps": (["--schedule", "pipedream-2bw", "--sync_steps", "5", "--max_steps", "5"], 2,
                                       "sync_steps \\(5\\) must be below max_steps \\(5\\)"),
+    "an export dtype the exports cannot write": (["--export_dtype", "float16"], 2,
+                                                 "export_dtype: unknown export dtype 'float16'; choose float32"),
     "resume from a directory that is not a checkpoint": (
         ["--resume_from_checkpoint", "/nonexistent/run/checkpoint-5"], 2, "is not a complete checkpoint"),
     "unknown non-finite policy": (["--nonfinite_policy", "ignore"], 2, "unknown nonfinite_policy 'ignore'"),
     "negative skip limit": (["--nonfinite_skip_limit", "-1"], 2, "nonfinite_skip_limit must be >= 0"),
     "zero communication timeout": (["--comm_timeout_s", "0"], 2, "comm_timeout_s must be positive"),
+    "schedule arguments the schedule does not take": (
+        ["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", "{num_cycle: 2}"], 2,
+        "lr_scheduler_kwargs {'num_cycle': 2} do not fit lr_scheduler_type 'cosine'"),
+    "a schedule stepped by a metric": (["--lr_scheduler_type", "reduce_lr_on_plateau"], 2,
+                                       "stepped by an evaluation metric is not supported"),
+    "negative epsilon": (["--adam_epsilon", "-1e-8"], 2, "adam_epsilon must be >= 0"),
 }
 
 

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,17 +191,17 @@ def test_a_loop_that_reads_one_step_ahead_packs_every_streamed_block_once(tmp_pa
     tokenizer, packed = load_tokenizer("builtin"), []
 
     class CountingPacker(BlockPacker):
-        def blocks(self, dataset, name="dataset"):
-            for block in super().blocks(dataset, name):
-                packed.append(block)
-                yield block
+        def cut(self, carry, documents):
+            blocks, carry = super().cut(carry, documents)
+            packed.extend(blocks.tolist())
+            return blocks, carry
 
     stream = load_source(_corpus(tmp_path, "jsonl"), streaming=True)  # 9 blocks of 8 tokens an epoch
-    sampler = StreamingSampler(stream, CountingPacker(tokenizer, 8), 4, 0, 1, shuffle=False, seed=0)
+    sampler = StreamingSampler(stream, CountingPacker(tokenizer, 8), 4, 0, 1, shuffle=False, seed=0, shuffle_window=1)
     for step in range(6):  # the training loop's order: the next step's rows, then this step's
         assert sampler.rows(step + 1).tolist() == packed[4 * (step + 1):4 * (step + 2)]
         assert sampler.rows(step).tolist() == packed[4 * step:4 * (step + 1)]
-    assert len(packed) == 7 * 4  # through three epochs, no block packed twice
+    assert len(packed) == 4 * 9  # 7 steps of 4 blocks reach into a 4th epoch (packed a window at a time), none twice
 
 
 def test_streaming_shuffle_is_seeded_and_reshuffles_each_epoch(tmp_path):
@@ -260,7 +261,7 @@ def test_text_is_tokenized_once_and_a_second_load_reads_the_cache(tmp_path, monk
     tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, "jsonl")
     packer = BlockPacker(tokenizer, 8, num_proc=2)
     first = packer.tensor(load_source(dataset), "corpus")
-    assert torch.equal(first, torch.tensor(list(BlockPacker(tokenizer, 8).blocks(load_source(dataset)))))
+    assert torch.equal(first, torch.from_numpy(np.stack(list(BlockPacker(tokenizer, 8).blocks(load_source(dataset))))))
     assert torch.equal(first, BlockPacker(tokenizer, 8).tensor(load_source(dataset, streaming=True)))  # a stream whole
 
     def no_tokenizing(*args, **kwargs):
@@ -278,7 +279,7 @@ def _prepare(*args) -> subprocess.CompletedProcess:
 
 
 def test_prepared_shards_train_on_the_blocks_of_the_corpus_itself(tmp_path):
-    """`hf-asyncpp prepare-data` streams the corpus through the one packing rule into parquet shards and
+    """`hf-asyncpp prepare-data` streams the corpus through the one packing rule into Arrow shards and
     a manifest; a run on the shards reads the corpus's own blocks (in order) without tokenizing."""
     corpus, out = _corpus(tmp_path, "jsonl"), tmp_path / "prepared"
     done = _prepare(corpus, str(out), "--seq_len", "8", "--blocks_per_shard", "4")
@@ -319,6 +320,9 @@ class _CountingSampler:
         if step == self.fail_at:
             raise DataError(f"bad row in step {step}")
         return torch.full((2, 3), step)
+
+    def position(self, step):
+        return {"step": step}
 
 
 def test_prefetched_rows_are_the_samplers_in_any_order_of_requests():

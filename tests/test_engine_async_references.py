@@ -26,8 +26,9 @@ per-step loss: both sides are fp32 and run the same kernels on the same microbat
 as the engine), and are seen equal bit for bit here; a different summation order (other thread
 counts, foreach AdamW) moves them by ~1e-7 per update, which AdamW amplifies in tiny second moments
 (foreach on the reference side: 1.2e-5 after 24 updates — so fused it is). Each test also replays
-a plausible wrong rule (one update more stale, both WPipe groups stale, no sync start) and requires it to miss the pipeline by more than 100× the tolerance (seen: 2e-2 to 7e-2), so the
-comparison can fail; making the engine's WPipe second half stale fails it by 2e-2.
+a plausible wrong rule (one update more stale, both WPipe groups stale, no sync start) and requires
+it to miss the pipeline by more than 100× the tolerance (seen: 2e-2 to 7e-2), so the comparison can
+fail; making the engine's WPipe second half stale fails it by 2e-2.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Model card and Hub upload.
 
-The card is rendered from model_cards/model_card.md through huggingface_hub's ModelCard; its YAML
-metadata must parse and carry the model-index. `hf-asyncpp push` runs the real huggingface_hub client
+The card is rendered from the package's assets/model_card.md through huggingface_hub's ModelCard;
+its YAML metadata must parse and carry the model-index, the license and language the config names,
+and base_model when the run started from a Hub model. `hf-asyncpp push` runs the real huggingface_hub client
 in a subprocess against a loopback server (HF_ENDPOINT) that plays the Hub: the server must receive
 every file of the export, the token must reach it in the Authorization header and appear nowhere
 else, and a failed upload must report the error and leave the local files as they were.
@@ -28,7 +29,7 @@ def _facts(data_description=None, **overrides):
 
     config = TrainConfig(**{**dict(schedule="pipedream-2bw", optimizer="muon", ef=True, ef_lambda=0.5, momentum=0.95),
                             **overrides})
-    record = {"step": 200, "tokens": 819200, "tokens_per_s": 6123.4, "idle_fraction_per_rank": [0.45, 0.031],
+    record = {"step": 200, "num_input_tokens_seen": 819200, "train_tokens_per_second": 6123.4, "idle_fraction_per_rank": [0.45, 0.031],
               "weight_version_age_per_stage": [1, 1]}
     return model_card_facts(config, build_config("tiny-moe"), (2, 2), record, get_schedule_spec(config.schedule),
                             data_description=data_description)
@@ -55,6 +56,28 @@ def test_the_card_states_how_the_model_was_made_and_its_metadata_parses():
                  "extrapolated point", "CC BY 2.5", "from_pretrained", "from scratch"):
         assert fact in text, fact
     assert "fine-tuned" not in text
+
+
+def test_the_card_names_the_weights_it_started_from_and_the_configs_license_and_language(tmp_path):
+    """init_from a Hub id is the metadata's base_model (as transformers' Trainer writes it); a local
+    directory is no Hub reference, so it is named in the text only. Neither is "from scratch"."""
+    from hf_asyncpp.hub import render_model_card
+
+    default = render_model_card(_facts(), "tiny")
+    assert _metadata(default)["license"] == "apache-2.0" and _metadata(default)["language"] == ["en"]
+    assert "base_model" not in _metadata(default) and "pretrained from scratch" in default.content
+
+    hub = render_model_card(_facts(init_from="someone/base-moe", license="mit", language=["en", "fr"]), "tiny")
+    metadata = _metadata(hub)
+    assert metadata["base_model"] == "someone/base-moe"
+    assert metadata["license"] == "mit" and metadata["language"] == ["en", "fr"]
+    assert "from the weights of [someone/base-moe](https://huggingface.co/someone/base-moe)" in hub.content
+    assert "from scratch" not in hub.content
+
+    local = render_model_card(_facts(init_from=str(tmp_path)), "tiny")
+    assert "base_model" not in _metadata(local)
+    assert f"from the weights of the local model directory `{tmp_path}`" in local.content
+    assert "from scratch" not in local.content
 
 
 def test_a_synchronous_card_does_not_talk_of_weight_versions():

@@ -1,6 +1,6 @@
 """Loss curves from metrics.jsonl (hf_asyncpp.plots and `hf-asyncpp plot`).
 
-A run directory's metrics.jsonl holds training records (`loss`, `aux_loss`, `tokens`, ...) and
+A run directory's metrics.jsonl holds training records (`loss`, `aux_loss`, `num_input_tokens_seen`, ...) and
 evaluation records (`eval_loss`, ...); a resumed run rewrites the steps after its checkpoint, so the
 last record of a step is the one that counts. Every figure must be a real PNG that matplotlib reads
 back; a missing run must fail with its path named and leave nothing written.
@@ -17,8 +17,8 @@ TOKENS_PER_STEP = 1024
 
 
 def _train(step: int, loss: float, aux_loss: float = 0.01) -> dict:
-    return {"step": step, "loss": loss, "aux_loss": aux_loss, "lr": 1e-3, "grad_norm": 1.0,
-            "tokens": step * TOKENS_PER_STEP, "idle_fraction_per_rank": [0.1, 0.2], "schedule": "1f1b"}
+    return {"step": step, "loss": loss, "aux_loss": aux_loss, "learning_rate": 1e-3, "grad_norm": 1.0,
+            "num_input_tokens_seen": step * TOKENS_PER_STEP, "idle_fraction_per_rank": [0.1, 0.2], "schedule": "1f1b"}
 
 
 def _eval(step: int, loss: float) -> dict:

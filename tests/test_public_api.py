@@ -6,7 +6,7 @@ PUBLIC = {
     "FAMILIES", "PERPLEXITY_METRIC_PATH", "PRESETS", "SCHEDULES", "AsyncOrder", "AsyncPPTrainer",
     "AsyncPPTrainingArguments", "ConfigError", "PipelineEngine", "PipelineLoss", "PipelineStageModule",
     "ScheduleSpec", "StagePlan", "StalenessEmulator", "StepResult", "TrainConfig", "UnsupportedModelError", "__version__",
-    "build_config", "build_full_model", "build_stage_modules", "check_schedule", "export_hf_model",
+    "build_config", "build_full_model", "build_stage_modules", "check_schedule", "export_checkpoint", "export_hf_model",
     "gather_full_state_dict", "get_schedule_spec", "load_config", "plan_stages", "register_schedule",
     "validate_config",
 }

@@ -16,7 +16,8 @@ CONFIG = {"schedule": "pipedream-2bw", "optimizer": "muon", "max_steps": 3}
 
 
 def _train_record(step: int, loss: float) -> dict:
-    return {"step": step, "loss": loss, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 0.5, "tokens": step * 64,
+    return {"step": step, "loss": loss, "aux_loss": 0.01, "learning_rate": 1e-3, "grad_norm": 0.5,
+            "num_input_tokens_seen": step * 64,
             "idle_fraction_per_rank": [0.1, 0.2], "weight_version_age_per_stage": [1, 1],
             "schedule": "pipedream-2bw", "unset": None, "finished": True}
 
@@ -43,7 +44,7 @@ def test_tensorboard_receives_train_and_eval_scalars_at_their_steps(tmp_path):
     events = _read_events(log_dir)
     assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(1, 5.5), (2, 4.25), (3, 3.0)]
     assert [(event.step, event.value) for event in events.Scalars("eval/loss")] == [(3, 3.5)]
-    assert [event.value for event in events.Scalars("train/tokens")] == [64, 128, 192]
+    assert [event.value for event in events.Scalars("train/num_input_tokens_seen")] == [64, 128, 192]
     assert "eval/perplexity" in events.Tags()["scalars"]
 
 
@@ -55,7 +56,8 @@ def test_lists_strings_booleans_none_and_the_step_itself_are_not_logged(tmp_path
     reporters.close()
 
     scalar_tags = set(_read_events(tmp_path).Tags()["scalars"])
-    assert scalar_tags == {"train/loss", "train/aux_loss", "train/lr", "train/grad_norm", "train/tokens"}
+    assert scalar_tags == {"train/loss", "train/aux_loss", "train/learning_rate", "train/grad_norm",
+                           "train/num_input_tokens_seen"}
 
 
 def test_no_tracker_writes_nothing(tmp_path):

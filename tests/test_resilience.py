@@ -103,7 +103,7 @@ def test_skip_gives_the_weights_of_a_run_that_never_saw_the_minibatch(tmp_path):
     done = _train(tmp_path, skipped, _data(tmp_path), "1f1b", "--nonfinite_policy", "skip",
                   fault={"POISON_TOKEN": POISON})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"warning: step {K + 1}: NaN or infinity in the loss of 1 microbatch" in done.stdout
+    assert f"warning: step {K + 1}: NaN or infinity in the loss of 1 microbatch" in done.stderr
     without = _train(tmp_path, reference, _data(tmp_path, drop_minibatch=K), "1f1b", "--max_steps", str(STEPS - 1))
     assert without.returncode == 0, without.stderr[-3000:]
 
@@ -160,7 +160,7 @@ def test_skip_stops_once_more_steps_than_the_limit_were_skipped(capsys):
     guard.review(3, _Stats(losses=1))  # a loss reported before its update: not a skipped step
     guard.review(4, _Stats(losses=1, stages=[0, 1], skipped=(1, 1)))
     assert ("step 2: NaN or infinity in the gradient of stage 0; the update of stage 0 was not applied (1 of 2 allowed)"
-            in capsys.readouterr().out)
+            in capsys.readouterr().err)  # the hf_asyncpp logger's stream
     with pytest.raises(NonFiniteError, match=r"step 7: .* 3 steps with non-finite values \(steps 2, 4, 7\), more than "
                                              r"nonfinite_skip_limit \(2\)"):
         guard.review(7, _Stats(stages=[1], skipped=(0, 1)))
@@ -255,7 +255,7 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_and_the_same_command_continu
 
     rerun = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"resumed from {out / f'checkpoint-{stopped}'}" in rerun.stdout
+    assert f"resumed from {out / f'checkpoint-{stopped}'}" in rerun.stderr
     _same_run(out, reference)
 
 

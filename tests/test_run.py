@@ -2,8 +2,8 @@
 
 The run must follow the documented recursion exactly: step k's minibatch is rows k·G … (k+1)·G − 1
 of the file (shuffle off, dp = 1), split into microbatches in order; the loss is the mean of the
-microbatch losses; gradients are clipped by the global norm; SGD with momentum and the LR schedule
-step once per minibatch. The test recomputes that with plain transformers + torch.optim and
+microbatch losses; gradients are clipped by the global norm; SGD with momentum (weight decay on what
+transformers.Trainer decays: not biases or norm weights) and the LR schedule step once per minibatch. The test recomputes that with plain transformers + torch.optim and
 compares every logged loss and every exported weight (1e-5: fp32, differently ordered sums).
 """
 
@@ -51,13 +51,23 @@ def _microbatch_losses(model, config, rows, k):
     return lm
 
 
+def _sgd(model):
+    """The reference optimizer: weight decay on the parameters transformers.Trainer decays."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in model.named_parameters() if (n in decay) == decays],
+               "weight_decay": 0.01 if decays else 0.0} for decays in (True, False)]
+    return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
+
+
 def _reference(config, rows, max_grad_norm=0.5):
     from transformers import get_scheduler
 
     from hf_asyncpp.models import build_model
 
     model = build_model(config, seed=7)  # train.py's starting weights (the run's seed is 7)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+    opt = _sgd(model)
     sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=STEPS)
     losses = []
     for k in range(STEPS):
@@ -80,14 +90,15 @@ def _check_run(out, expected_losses, reference_model, n_ranks, delay=0):
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for key in ("step", "loss", "aux_loss", "lr", "tokens", "tokens_per_s", "step_time_s", "schedule"):
+    for key in ("step", "epoch", "loss", "aux_loss", "learning_rate", "grad_norm", "num_input_tokens_seen",
+                "train_tokens_per_second", "step_time_s", "schedule"):
         assert key in records[0]
     assert len(records[0]["idle_fraction_per_rank"]) == n_ranks
     # Weight-version age per stage: steps 0 and 1 both run on the initial weights, then `delay`.
     assert [r["weight_version_age_per_stage"] for r in records] == [
         [min(k, delay)] * len(records[0]["weight_version_age_per_stage"]) for k in range(STEPS)
     ]
-    assert records[-1]["tokens"] == STEPS * MBS * M * SEQ
+    assert records[-1]["num_input_tokens_seen"] == STEPS * MBS * M * SEQ
     assert [r["loss"] for r in records] == pytest.approx(expected_losses, abs=1e-5)
     assert all(r["aux_loss"] > 0 for r in records)
     # By default the run also reports to tensorboard (output_dir/runs) and draws its loss curves.
@@ -128,7 +139,7 @@ def test_plain_python_runs_one_process_with_the_same_result(tmp_path):
     proc = subprocess.run([sys.executable, *TRAIN, *_overrides(tmp_path, out)], capture_output=True, text=True,
                           env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pp_size 2 → 1" in proc.stdout
+    assert "[hf_asyncpp] one process (no launcher): pp_size 2 → 1" in proc.stderr
     losses, model = _reference(config, rows)
     _check_run(out, losses, model, n_ranks=1)
 
@@ -154,7 +165,7 @@ def _reference_2bw(config, rows):
 
     current = build_model(config, seed=7)
     stale = copy.deepcopy(current)
-    opt = torch.optim.SGD(current.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+    opt = _sgd(current)
     sched = get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=STEPS)
     previous = copy.deepcopy(current.state_dict())  # x_{k−1}
     losses = []

@@ -1,14 +1,16 @@
 """The configs in training_scripts/configs/ validate at the world size they are written for, the 2B and 10B
-MoE configs describe the models their headers, README.md and training_scripts/models/README.md advertise, the
-dense 135M and 360M model configs have the parameter counts that README's table states, and every study in
-training_scripts/studies/ loads and every one of its arms validates as the study runner would run it (at world
-size = depth for launch: pipeline), so a study cannot fail on a config error after hours of earlier arms.
+MoE configs describe the models their headers, docs/scale.md and training_scripts/models/README.md advertise,
+the dense 135M and 360M model configs have the parameter counts that training_scripts/models/README.md's table
+states, and every study in training_scripts/studies/ loads and every one of its arms validates as the study
+runner would run it (at world size = depth for launch: pipeline), so a study cannot fail on a config error
+after hours of earlier arms.
 
 The scale configs name files their header tells the user to prepare with Hub access (the SmolLM2 tokenizer,
-a held-out parquet file): stand-ins replace them here — the shipped tokenizer, a one-row file. Their
-training set is a Hub dataset id, which validation only parses (`check_dataset_source` never contacts the
-Hub), so it is checked as written with HF_HUB_OFFLINE lifted for validation alone; huggingface_hub itself
-stays offline (it read the variable at import), so nothing can reach the network. The studies built on those
+prepared training shards, a held-out parquet file): stand-ins replace them here — the shipped tokenizer, a
+one-block prepared directory, a one-row file. A training set that is a Hub dataset id is only parsed by
+validation (`check_dataset_source` never contacts the Hub), so it is checked as written with HF_HUB_OFFLINE
+lifted for validation alone; huggingface_hub itself stays offline (it read the variable at import), so
+nothing can reach the network. The studies built on those
 configs get the same stand-ins through their `base` keys.
 """
 
@@ -55,10 +57,24 @@ def _count(text: str) -> float:
     return float(text[:-1]) * {"M": 1e6, "B": 1e9}[text[-1]]
 
 
+def _prepared_stand_in(tmp_path, seq_len: int) -> str:
+    """A prepared directory of one block at seq_len, as `hf-asyncpp prepare-data` writes it."""
+    from hf_asyncpp.data.prepare import prepare_data
+
+    out = tmp_path / f"prepared_{seq_len}"
+    if not out.exists():
+        corpus = tmp_path / "stand_in_corpus.jsonl"
+        corpus.write_text('{"text": "%s"}\n' % " ".join(f"word{i % 97}" for i in range(seq_len)))
+        prepare_data(str(corpus), str(out), "builtin", seq_len)
+    return str(out)
+
+
 def _with_stand_ins(config, tmp_path):
     """The config with the files a user prepares replaced by stand-ins when they are not there."""
     if config.tokenizer != "builtin" and not os.path.isdir(config.tokenizer):
         config.tokenizer = "builtin"
+    if config.dataset.startswith("data/") and not os.path.exists(config.dataset):  # shards the header prepares
+        config.dataset = _prepared_stand_in(tmp_path, config.seq_len)
     if config.eval_dataset is not None and not os.path.exists(config.eval_dataset):
         held_out = tmp_path / "held_out.jsonl"
         held_out.write_text('{"text": "a held-out document"}\n')
@@ -105,7 +121,7 @@ def test_a_scale_config_builds_the_model_it_advertises(name, tmp_path, monkeypat
     tokens = config.max_steps * config.rows_per_step * dp_size * config.seq_len
     assert tokens == pytest.approx(TOKENS_PER_PARAMETER * total, rel=TOLERANCE)
 
-    docs = {"its header": path.read_text(), "README.md": (REPO / "README.md").read_text(),
+    docs = {"its header": path.read_text(), "docs/scale.md": (REPO / "docs" / "scale.md").read_text(),
             "training_scripts/models/README.md": (REPO / "training_scripts" / "models" / "README.md").read_text()}
     for where, text in docs.items():
         assert advertised.total in text and advertised.active in text, f"{name}: counts not stated in {where}"
@@ -116,11 +132,11 @@ def _study_with_stand_ins(path: Path, tmp_path):
     keys, which every arm sets on top of its base_config."""
     study = load_study(path)
     config = load_config(str(study.base_config))
-    for key in ("tokenizer", "eval_dataset"):
+    for key in ("tokenizer", "eval_dataset", "dataset", "seq_len"):
         if key in study.base:
             setattr(config, key, study.base[key])
     config = _with_stand_ins(config, tmp_path)
-    study.base["tokenizer"] = config.tokenizer
+    study.base["tokenizer"], study.base["dataset"] = config.tokenizer, config.dataset
     if config.eval_dataset is not None:
         study.base["eval_dataset"] = config.eval_dataset
     return study

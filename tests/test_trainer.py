@@ -7,12 +7,17 @@
   and a card that says what was done.
 - A callback's stop ends an asynchronous pipeline one step later, drained (its next minibatch was
   already in flight); report_to tensorboard reaches transformers' TensorBoardCallback.
+- Epoch strategies log, evaluate and save at the steps that end epochs; best_metric and
+  best_model_checkpoint are set as Trainer sets them, so EarlyStoppingCallback stops a run and
+  save_strategy "best" saves after improving evaluations; push_to_hub pushes at every save, to
+  hub_revision, and push_to_hub(revision=) to its branch.
 - Bad input is one ConfigError before any process group starts, with nothing written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -92,8 +97,14 @@ def test_the_trainer_and_train_py_share_one_engine_and_a_trainer_run_resumes_and
     assert _losses(straight, "eval_loss") == script_evals == pytest.approx({3: script_evals[3], 6: script_evals[6]})
     assert all("aux_loss" in r and "grad_norm" in r and "learning_rate" in r for r in straight if "loss" in r)
 
-    # Saved at save_steps (3 and 6); resumed in a new launch from step 3: identical losses after it.
-    assert (tmp_path / "trainer" / "checkpoint-3" / "manifest.json").is_file()
+    # Saved at save_steps (3 and 6), with the Trainer's own state as transformers.Trainer writes it;
+    # resumed in a new launch from step 3: identical losses after it.
+    from transformers import TrainerState
+
+    saved = TrainerState.load_from_json(str(tmp_path / "trainer" / "checkpoint-3" / "trainer_state.json"))
+    assert (saved.global_step, saved.max_steps, saved.train_batch_size, saved.epoch) == (3, STEPS, MBS * M, 3 / 8)
+    assert _losses(saved.log_history) == {k: v for k, v in trainer_losses.items() if k <= 3}
+    assert list(_losses(saved.log_history, "eval_loss")) == [3] and "TrainerControl" in saved.stateful_callbacks
     resumed = _trainer_run(corpus, tmp_path / "trainer", "--resume", str(tmp_path / "trainer" / "checkpoint-3"))
     assert resumed["global_step"] == STEPS
     assert _losses(resumed["log_history"]) == trainer_losses  # steps 1-3 from the checkpoint, 4-6 recomputed
@@ -128,6 +139,76 @@ def test_a_callbacks_stop_ends_an_asynchronous_pipeline_one_drained_step_later(c
         (step, pytest.approx(loss, rel=1e-6)) for step, loss in sorted(losses.items())]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "stopped" / "final")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.multirank
+def test_epoch_events_best_metric_early_stopping_and_a_push_at_every_save(corpus, tmp_path):
+    """64 train rows at 3 × 4 rows a step (pp 2, dp 1): an epoch is 5⅓ steps, so epochs end at the steps
+    that read their last block, 6 and 11 (and 16). Logging, evaluation and saving follow the epochs; an
+    EarlyStoppingCallback whose threshold no change reaches stops at the second evaluation (step 11),
+    which PipeDream-2BW drains at step 12, the last epoch event (eval_on_start's evaluation counts for
+    neither). best_metric is the lowest eval_loss,
+    best_model_checkpoint its checkpoint; every save pushes to hub_revision, push_to_hub(revision=) to its own."""
+    out = tmp_path / "epochs"
+    with LoopbackHub() as hub:
+        env = _env(HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE="0", HF_TOKEN=TOKEN)
+        result = _trainer_run(corpus, out, "--push", "--push_revision", "release", "--early_stopping_threshold", "10",
+                              env=env, per_device_train_batch_size=3, max_steps=-1, num_train_epochs=3,
+                              logging_strategy="epoch", eval_strategy="epoch", save_strategy="epoch",
+                              eval_on_start=True, metric_for_best_model="loss", push_to_hub=True, hub_strategy="every_save",
+                              hub_revision="dev", hub_model_id="team/epochs")
+    history = result["log_history"]
+    assert result["global_step"] == 12
+    assert sorted(_losses(history)) == [6, 11, 12]
+    assert [r["epoch"] for r in history if "loss" in r] == pytest.approx([6 * 12 / 64, 11 * 12 / 64, 12 * 12 / 64])
+    evals = _losses(history, "eval_loss")
+    assert sorted(evals) == [0, 6, 11, 12]  # 0: eval_on_start; 12: the evaluation that ends every run
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-11", "checkpoint-12", "checkpoint-6"]
+    best_step = min((s for s in evals if s), key=evals.get)  # eval_on_start's is no candidate, as in Trainer
+    assert result["best_metric"] == evals[best_step] and result["best_global_step"] == best_step
+    assert result["best_model_checkpoint"] == str(out / f"checkpoint-{best_step}")
+    progress = [("team/epochs", "dev", f"Training in progress, epoch {e}") for e in (1, 2, 2)]
+    assert hub.commits == [*progress, ("team/epochs", "dev", "Model save"), ("team/epochs", "release", "End of training")]
+    assert {"config.json", "model.safetensors", "README.md"} <= set(hub.received["team/epochs"])
+
+
+def _train_saving_the_best(rank, world_size, corpus, out):
+    """A rank target: a one-rank Trainer run with save_strategy "best", evaluating every step."""
+    from datasets import load_dataset
+    from transformers import AutoConfig
+
+    from hf_asyncpp import AsyncPPTrainer, AsyncPPTrainingArguments
+    from hf_asyncpp.models import build_model
+    from hf_asyncpp.parallel.mesh import shutdown_parallel
+
+    args = AsyncPPTrainingArguments(
+        output_dir=str(out), schedule="1f1b", pp_size=1, n_microbatches=2, per_device_train_batch_size=2,
+        learning_rate=0.05, max_steps=8, logging_steps=1, eval_strategy="steps", eval_steps=1, save_strategy="best",
+        metric_for_best_model="loss", report_to="none", seed=5)
+    trainer = AsyncPPTrainer(model=build_model(AutoConfig.from_pretrained(corpus / "model"), 5), args=args,
+                             train_dataset=load_dataset("json", data_files=str(corpus / "train.jsonl"), split="train"),
+                             eval_dataset=load_dataset("json", data_files=str(corpus / "eval.jsonl"), split="train"))
+    trainer.train()
+    shutdown_parallel()
+    state = trainer.state
+    return state.log_history, state.best_global_step, state.best_model_checkpoint
+
+
+@pytest.mark.multirank
+def test_save_strategy_best_saves_after_the_evaluations_that_improve_the_metric(corpus, tmp_path):
+    """Trainer's rule: a checkpoint follows each evaluation during training whose eval_loss is below
+    every earlier one; the run (random tokens, a large learning rate) has evaluations that do not."""
+    from tests.ranks import run_ranks
+
+    [(history, best_step, best_checkpoint)] = run_ranks(1, _train_saving_the_best, corpus, tmp_path / "best")
+    evals = _losses(history, "eval_loss")
+    assert sorted(evals) == list(range(1, 9))  # 8: the evaluation that ends the run, after the last step
+    improving = [s for s in range(1, 8) if evals[s] < min([evals[t] for t in range(1, s)], default=math.inf)]
+    assert 1 < len(improving) < 7, evals  # the test's premise: some evaluations improve, some do not
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "best").glob("checkpoint-*"))
+    assert saved == improving
+    assert best_step == min(evals, key=evals.get)
+    assert best_checkpoint == (str(tmp_path / "best" / f"checkpoint-{best_step}") if best_step in saved else None)
 
 
 # --- bad input: one ConfigError, no process group, nothing written ---------------------------------
@@ -210,12 +291,16 @@ def _bad_trainers(tmp_path):
         "evaluation without an evaluation set": (
             dict(model=_model(), args=_args(out, eval_strategy="steps", eval_steps=1), train_dataset=_dataset(_rows())),
             "no eval_dataset"),
+        "epochs of a stream": (
+            dict(model=_model(), args=_args(out, logging_strategy="epoch"),
+                 train_dataset=_dataset(_rows()).to_iterable_dataset()),
+            "logging_strategy 'epoch' needs epochs, but a streamed train_dataset has no length"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing dataset", "tokenizer larger than the model's vocabulary",
                                   "token ids beyond the vocabulary", "rows longer than the model's positions",
-                                  "evaluation without an evaluation set"])
+                                  "evaluation without an evaluation set", "epochs of a stream"])
 def test_a_bad_trainer_fails_with_one_message_before_any_process_group(case, tmp_path):
     import torch.distributed as dist
 
@@ -262,9 +347,33 @@ def test_a_sigterm_to_one_process_checkpoints_every_process_and_train_exits_0(co
         command += [f"--{key}", json.dumps(value)]
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "stopped after step 4 on SIGTERM" in done.stdout
+    assert "[hf_asyncpp] stopped after step 4 on SIGTERM" in done.stderr  # the hf_asyncpp logger
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]
     assert not (out / "final").exists() and not (out / "log_history.json").exists()
 
     resumed = _trainer_run(corpus, out, "--resume", "True", eval_strategy="no", save_steps=0)
     assert resumed["global_step"] == STEPS and sorted(_losses(resumed["log_history"])) == list(range(1, STEPS + 1))
+
+
+# The step record's numbers under transformers' names (Trainer's own where it has one), in both outputs.
+HF_NAMED_KEYS = {"step", "epoch", "loss", "aux_loss", "learning_rate", "grad_norm", "num_input_tokens_seen",
+                 "train_tokens_per_second", "step_time_s"}
+
+
+@pytest.mark.multirank
+def test_log_history_and_metrics_jsonl_of_a_run_share_their_keys_and_values(corpus, tmp_path):
+    out = tmp_path / "keys"
+    # num_input_tokens_seen reaches log_history only when asked for, as in Trainer
+    history = _trainer_run(corpus, out, eval_strategy="no", save_steps=0, max_steps=3,
+                           include_num_input_tokens_seen=True)["log_history"]
+    logged = [entry for entry in history if "loss" in entry and "train_runtime" not in entry]
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [entry["step"] for entry in logged] == [record["step"] for record in records] == [1, 2, 3]
+    for entry, record in zip(logged, records):
+        assert set(entry) == HF_NAMED_KEYS
+        assert set(record) == HF_NAMED_KEYS | {"idle_fraction_per_rank", "weight_version_age_per_stage",
+                                               "skipped_updates_per_stage", "schedule"}  # lists stay in the file
+        assert {key: entry[key] for key in HF_NAMED_KEYS} == {key: record[key] for key in HF_NAMED_KEYS}
+    steps_per_epoch = 64 / (MBS * M)  # 64 training rows, one dp rank
+    assert [record["epoch"] for record in records] == [step / steps_per_epoch for step in (1, 2, 3)]
+    assert [record["num_input_tokens_seen"] for record in records] == [step * MBS * M * SEQ for step in (1, 2, 3)]

@@ -25,7 +25,7 @@ def test_the_wheel_carries_every_module_and_data_file(tmp_path):
     in_wheel = set(zipfile.ZipFile(wheel).namelist())
     tracked = subprocess.run(["git", "ls-files", "hf_asyncpp"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
-    shipped = [f for f in tracked if f.endswith((".py", ".json"))]
+    shipped = [f for f in tracked if f.endswith((".py", ".json", ".md"))]  # .md: the model card template
     assert shipped, "git lists no package files"
     missing = sorted(set(shipped) - in_wheel)
     assert not missing, f"not in the wheel: {missing}"

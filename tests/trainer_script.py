@@ -24,6 +24,9 @@ def main(argv: list[str]) -> int:
         parser.add_argument(name)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--push", action="store_true")
+    parser.add_argument("--push_revision", default=None, help="the branch trainer.push_to_hub(revision=...) names")
+    parser.add_argument("--early_stopping_threshold", type=float, default=None,
+                        help="an EarlyStoppingCallback (patience 1) with this threshold")
     parser.add_argument("--stop_after", type=int, default=0)
     parser.add_argument("--sigterm_at", type=int, default=0, help="rank 1 receives SIGTERM after this step")
     known, rest = parser.parse_known_args(argv)
@@ -45,6 +48,11 @@ def main(argv: list[str]) -> int:
                     control.should_training_stop = True
 
         callbacks.append(StopAt())
+    if known.early_stopping_threshold is not None:
+        from transformers import EarlyStoppingCallback
+
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=1,
+                                               early_stopping_threshold=known.early_stopping_threshold))
     if known.sigterm_at:
         import os
         import signal
@@ -61,13 +69,15 @@ def main(argv: list[str]) -> int:
     trainer = AsyncPPTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                              processing_class=tokenizer, callbacks=callbacks)
     output = trainer.train(resume_from_checkpoint=True if known.resume == "True" else known.resume)
+    trainer.save_model()  # pushes too when args.push_to_hub
     if known.push:
-        print("pushed:", trainer.push_to_hub())
-    else:
-        trainer.save_model()
+        print("pushed:", trainer.push_to_hub(revision=known.push_revision))
     if trainer.is_world_process_zero():
+        state = trainer.state
         with open(f"{known.output_dir}/log_history.json", "w") as f:
-            json.dump({"log_history": trainer.state.log_history, "global_step": output.global_step}, f)
+            json.dump({"log_history": state.log_history, "global_step": output.global_step, "epoch": state.epoch,
+                       "best_metric": state.best_metric, "best_global_step": state.best_global_step,
+                       "best_model_checkpoint": state.best_model_checkpoint}, f)
     return 0
 
 

@@ -1,9 +1,13 @@
 """Training checkpoints on disk: `<output_dir>/checkpoint-<step>/`, written atomically, verified on load.
 
 A checkpoint is written by all ranks into `checkpoint-<step>.partial/` with
-torch.distributed.checkpoint (each rank its own shards, in parallel); the ranks then hash the files
-between them (each file once, in parallel), and rank 0 adds `trainer_state.json` (step, layout,
-config) and `manifest.json` (every file's size and SHA-256) and renames the directory. Only a
+torch.distributed.checkpoint (each rank its own shards, in parallel), beside the model's config.json,
+generation_config.json and tokenizer files (rank 0); the ranks then hash the files between them
+(each file once, in parallel), and rank 0 adds `trainer_state.json` (transformers' `TrainerState`:
+`TrainerState.load_from_json` reads it), `pipeline_state.json` (what this library resumes from: the
+step, the pipeline layout, the config, the front end's own state), `data_positions.json` (where each
+dp rank's streamed dataset continues, one entry per dp rank, from the ranks that read data; absent for
+data in memory) and `manifest.json` (every file's size and SHA-256), and renames the directory. Only a
 directory without the `.partial` suffix and with a manifest counts as a checkpoint: a crash at any
 point before the rename leaves nothing that looks complete, and the previous checkpoints are
 untouched (the oldest are removed only after the new one is complete, `save_total_limit`).
@@ -30,11 +34,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..resilience import RunFailure, first_nonfinite
 from .training_state import load_training_state, training_state
 
-__all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
-           "verify_checkpoint", "verify_checksums"]
+__all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "read_data_positions",
+           "save_checkpoint", "verify_checkpoint", "verify_checksums"]
 
 PREFIX = "checkpoint-"
-MANIFEST, TRAINER_STATE = "manifest.json", "trainer_state.json"
+MANIFEST, TRAINER_STATE, PIPELINE_STATE = "manifest.json", "trainer_state.json", "pipeline_state.json"
+DATA_POSITIONS = "data_positions.json"
+# pipeline_state.json's layout; a checkpoint of another format is refused, not misread.
+FORMAT = 1
 
 
 class CheckpointError(RunFailure):
@@ -118,28 +125,40 @@ def _my_share(names: list[str], layout) -> list[str]:
     return sorted(names)[layout.rank::layout.world_size]
 
 
-def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_state: dict,
-                    save_total_limit: int | None = None) -> Path:
+def save_checkpoint(engine, layout, output_dir: str | Path, step: int, run_state: dict,
+                    save_total_limit: int | None = None, trainer_state: dict | None = None,
+                    model_config=None, tokenizer=None, data_position: dict | None = None) -> Path:
     """Write the training state after `step` completed steps (collective: every rank calls it).
+    `run_state`: the front end's own resume state (pipeline_state.json, with the step and layout added);
+    `trainer_state`: a `TrainerState` as a dict (trainer_state.json; by default one with the step);
+    `model_config`, `tokenizer`: written beside the weights, so the checkpoint exports on its own;
+    `data_position`: this rank's position in a streamed dataset (None where it reads none; the ranks
+    of one dp rank hold the same position, which is written once).
     A failure on any rank (a full disk, an unwritable directory, a non-finite value in the state,
     which is then not written at all) raises the same CheckpointError on
     every rank, naming the path and the cause; the partial directory is removed and the previous
     checkpoint, pruned only after a new one is complete, stays."""
+    from .hf_export import write_model_files
+
     final = Path(output_dir) / f"{PREFIX}{step}"
     staging = final.with_name(final.name + ".partial")
     state = training_state(engine, layout.rank)
     try:
-        failure = None
+        failure, position = None, None
         bad = first_nonfinite(state.items())
         if bad is not None:  # never written: a checkpoint that resumes into NaN is worse than none
             failure = ValueError(f"{bad} holds non-finite values")
         try:
+            position = None if data_position is None else json.dumps(data_position)
             if layout.is_main and failure is None:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
-        except OSError as err:
+                if model_config is not None:
+                    write_model_files(staging, model_config, tokenizer)
+        except Exception as err:  # noqa: BLE001 — every rank must learn of it, whatever it is
             failure = err
-        _agree(layout, final, failure)
+        shared = _agree(layout, final, failure, position)  # every rank's position: kept once per dp rank
+        positions = {p["dp_rank"]: p for p in map(json.loads, filter(None, shared))}
         failure = None
         try:
             # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.
@@ -160,13 +179,17 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
         failure = None
         try:
             if layout.is_main:
-                state_file = staging / TRAINER_STATE
-                _write_json(state_file, dict(trainer_state, step=step, pp_size=layout.pp_size,
-                                             dp_size=layout.dp_size, schedule=engine.spec.name,
-                                             n_microbatches=engine.config.n_microbatches,
-                                             sync_steps=engine.config.sync_steps))
                 files = {name: info for share in shares for name, info in share.items()}
-                files[TRAINER_STATE] = {"bytes": state_file.stat().st_size, "sha256": _digest(state_file)}
+                states = {TRAINER_STATE: trainer_state or {"global_step": step},
+                          PIPELINE_STATE: dict(run_state, format=FORMAT, step=step, pp_size=layout.pp_size,
+                                               dp_size=layout.dp_size, schedule=engine.spec.name,
+                                               n_microbatches=engine.config.n_microbatches,
+                                               sync_steps=engine.config.sync_steps)}
+                if positions:
+                    states[DATA_POSITIONS] = [positions[d] for d in sorted(positions)]
+                for name, value in states.items():
+                    _write_json(staging / name, value)
+                    files[name] = {"bytes": (staging / name).stat().st_size, "sha256": _digest(staging / name)}
                 _write_json(staging / MANIFEST, dict(sorted(files.items())))  # last: marks the files complete
                 shutil.rmtree(final, ignore_errors=True)
                 staging.rename(final)
@@ -185,8 +208,9 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, trainer_s
 
 
 def verify_checkpoint(path: Path) -> dict:
-    """The trainer state of a complete checkpoint: every file of its manifest present with the size
-    written (no file is read); CheckpointError naming the bad file otherwise."""
+    """The pipeline state of a complete checkpoint: every file of its manifest present with the size
+    written (no file is read); CheckpointError naming the bad file otherwise, or saying the
+    checkpoint was written in another format."""
     manifest = json.loads((path / MANIFEST).read_text())
     for name, expected in manifest.items():
         file = path / name
@@ -195,23 +219,39 @@ def verify_checkpoint(path: Path) -> dict:
         if file.stat().st_size != expected["bytes"]:
             raise CheckpointError(f"checkpoint {path}: file {name} has {file.stat().st_size} bytes, "
                                   f"{expected['bytes']} were written (truncated or replaced)")
-    return json.loads((path / TRAINER_STATE).read_text())
+    if PIPELINE_STATE not in manifest:
+        raise CheckpointError(f"checkpoint {path} was written by an earlier version of hf_asyncpp (it has no "
+                              f"{PIPELINE_STATE}); this version cannot resume or export it")
+    state = json.loads((path / PIPELINE_STATE).read_text())
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {state.get('format')} in {PIPELINE_STATE}; this "
+                              f"version of hf_asyncpp reads format {FORMAT}")
+    return state
 
 
-def verify_checksums(path: Path, layout) -> None:
+def verify_checksums(path: Path, layout=None) -> None:
     """Collective: the ranks hash the checkpoint's files between them (each file once, in parallel)
-    and every rank raises the same CheckpointError if one is damaged."""
+    and every rank raises the same CheckpointError if one is damaged. Without a layout, this
+    process hashes them all."""
     manifest = json.loads((path / MANIFEST).read_text())
-    damaged = [name for name in _my_share(list(manifest), layout) if _digest(path / name) != manifest[name]["sha256"]]
-    found = [None] * layout.world_size
-    dist.all_gather_object(found, damaged, group=layout.io_group)
+    mine = list(manifest) if layout is None else _my_share(list(manifest), layout)
+    found = [[name for name in mine if _digest(path / name) != manifest[name]["sha256"]]]
+    if layout is not None:
+        mine, found = found[0], [None] * layout.world_size
+        dist.all_gather_object(found, mine, group=layout.io_group)
     damaged = sorted(name for names in found for name in names)
     if damaged:
         raise CheckpointError(f"checkpoint {path}: file {damaged[0]} is damaged (checksum differs)")
 
 
+def read_data_positions(path: Path) -> list[dict] | None:
+    """The streamed dataset's positions a checkpoint holds, one per dp rank (None if it holds none)."""
+    file = Path(path) / DATA_POSITIONS
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
 def load_checkpoint(engine, layout, path: Path) -> dict:
-    """Load a checkpoint into the engine (collective). Returns its trainer state. Rank 0 checks the
+    """Load a checkpoint into the engine (collective). Returns its pipeline state. Rank 0 checks the
     files' presence and sizes, then the ranks their checksums between them; every rank raises the
     same CheckpointError if a file is bad."""
     verdict = [None]
@@ -223,10 +263,10 @@ def load_checkpoint(engine, layout, path: Path) -> dict:
     dist.broadcast_object_list(verdict, src=0, group=layout.io_group)
     if isinstance(verdict[0], Exception):
         raise verdict[0]
-    trainer_state = verdict[0]
+    run_state = verdict[0]
     verify_checksums(path, layout)
     if engine.versioned:  # in-flight state is replayed by the order: it must be the same order
-        saved = {k: trainer_state.get(k, 0 if k == "sync_steps" else None)
+        saved = {k: run_state.get(k, 0 if k == "sync_steps" else None)
                  for k in ("pp_size", "schedule", "n_microbatches", "sync_steps")}
         current = dict(pp_size=layout.pp_size, schedule=engine.spec.name, n_microbatches=engine.config.n_microbatches,
                        sync_steps=engine.config.sync_steps)
@@ -240,4 +280,4 @@ def load_checkpoint(engine, layout, path: Path) -> dict:
             state, storage_reader=reader, process_group=layout.io_group, planner=DefaultLoadPlanner(flatten_state_dict=False)))
     except ValueError as err:
         raise CheckpointError(f"checkpoint {path} does not fit this run: {err}") from None
-    return trainer_state
+    return run_state

@@ -5,7 +5,8 @@ package), local text / jsonl / parquet files (globs allowed), or a Hub dataset i
 (`packing.py`): rows with `input_ids` of exactly seq_len tokens are used as given; otherwise the
 `text_column` of every row (a whole file for text sources) is tokenized, an EOS appended, and the
 stream cut into blocks. Samplers (`samplers.py`): step k's rows on one dp rank, from blocks in memory
-or packed on the fly from a stream. `training_data` (`run_data.py`) puts them together for a run.
+or packed on the fly from a stream, read in windows that a checkpoint's saved position resumes
+(`stream_blocks.py`). `training_data` (`run_data.py`) puts them together for a run.
 """
 
 from .packing import BlockPacker, build_token_blocks

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from .errors import DataError
 
-__all__ = ["BlockPacker", "build_token_blocks", "check_disjoint", "check_vocabulary"]
+__all__ = ["BlockPacker", "block_hashes", "build_token_blocks", "check_disjoint", "check_vocabulary"]
 
 
 class BlockPacker:
@@ -26,24 +27,32 @@ class BlockPacker:
         self.num_proc = num_proc  # processes tokenizing a map-style dataset (None: this one)
         self._tokenize = _TokenizeRows(tokenizer, text_column)  # the one rule: a row's tokens, then an EOS
 
-    def blocks(self, dataset, name: str = "dataset") -> Iterator[list[int]]:
-        """The dataset's blocks in row order, each a list of seq_len token ids."""
-        pending: list[int] = []  # tokenized text not yet cut into a block
+    def blocks(self, dataset, name: str = "dataset") -> Iterator[np.ndarray]:
+        """The dataset's blocks in row order, each an array of seq_len token ids."""
+        carry = np.zeros(0, dtype=np.int64)  # tokens not yet cut into a block
         row = 0  # rows of the dataset seen so far
         for batch in dataset.iter(batch_size=self.batch_size):
-            if "input_ids" in batch:
-                yield from self._given_rows(batch["input_ids"], row, name)
-                row += len(batch["input_ids"])
-                continue
-            if self.text_column not in batch:
-                raise DataError(f"{name} has no '{self.text_column}' column (columns: {', '.join(batch)}); "
-                                "set text_column, or give rows of input_ids")
-            for ids in self._tokenize(batch)["ids"]:
-                pending.extend(ids)
-            n_full = len(pending) // self.seq_len
-            for b in range(n_full):
-                yield pending[b * self.seq_len:(b + 1) * self.seq_len]
-            del pending[:n_full * self.seq_len]
+            documents = self.documents(batch, row, name)
+            row += len(documents)
+            blocks, carry = self.cut(carry, documents)
+            yield from blocks
+
+    def documents(self, batch: dict, first_row: int, name: str = "dataset") -> list:
+        """Each row's tokens: its `input_ids` as given (checked to be seq_len long), or its text's
+        tokens and an EOS. `first_row` numbers the batch's first row in error messages."""
+        if "input_ids" in batch:
+            return list(self._given_rows(batch["input_ids"], first_row, name))
+        if self.text_column not in batch:
+            raise DataError(f"{name} has no '{self.text_column}' column (columns: {', '.join(batch)}); "
+                            "set text_column, or give rows of input_ids")
+        return self._tokenize(batch)["ids"]
+
+    def cut(self, carry: np.ndarray, documents: list) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, the tokens left over): `carry` and the documents concatenated and cut into
+        consecutive seq_len blocks."""
+        tokens = np.concatenate([carry] + [np.asarray(d, dtype=np.int64) for d in documents])
+        n_full = len(tokens) // self.seq_len
+        return tokens[:n_full * self.seq_len].reshape(n_full, self.seq_len), tokens[n_full * self.seq_len:].copy()
 
     def _given_rows(self, rows, first_row: int, name: str) -> Iterator[list[int]]:
         for number, ids in enumerate(rows, start=first_row):
@@ -72,7 +81,7 @@ class BlockPacker:
         elif self.text_column in columns:
             blocks = self._packed_from_cache(dataset)
         else:
-            blocks = torch.tensor(list(self.blocks(dataset, name)), dtype=torch.long).view(-1, self.seq_len)
+            blocks = torch.from_numpy(np.array(list(self.blocks(dataset, name)), dtype=np.int64).reshape(-1, self.seq_len))
         if not len(blocks):
             raise DataError(f"{name} yields no block of {self.seq_len} tokens")
         return blocks
@@ -80,7 +89,6 @@ class BlockPacker:
     def _given_blocks(self, dataset, name: str) -> torch.Tensor:
         """The `input_ids` rows of a map-style dataset (prepared shards, say) as blocks, read as one
         Arrow column rather than row by row."""
-        import numpy as np
         import pyarrow.compute as pc
 
         column = dataset.with_format("arrow")[:].column("input_ids").combine_chunks()
@@ -94,8 +102,6 @@ class BlockPacker:
     def _packed_from_cache(self, dataset) -> torch.Tensor:
         """`blocks(dataset)` for the text of a map-style dataset, with the tokens from a cached map:
         every row's ids and an EOS, concatenated in row order and cut into blocks (the tail dropped)."""
-        import numpy as np
-
         tokenized = dataset.map(self._tokenize, batched=True,
                                 batch_size=self.batch_size, num_proc=self.num_proc,
                                 remove_columns=dataset.column_names, desc="tokenizing")
@@ -136,14 +142,24 @@ def check_vocabulary(blocks: torch.Tensor, vocab_size: int | None, name: str, fi
                         "tokenizer, or use a model_config whose vocab_size covers it")
 
 
-def check_disjoint(train: torch.Tensor, held_out: torch.Tensor, train_name: str, eval_name: str) -> None:
+def block_hashes(blocks: torch.Tensor) -> torch.Tensor:
+    """A 64-bit hash of each block's tokens (a seeded weighted sum, wrapping around): equal blocks
+    hash equal; prepare-data stores them beside the blocks so a corpus is compared without reading it."""
+    weights = torch.randint(-2**62, 2**62, (blocks.shape[1],), generator=torch.Generator().manual_seed(0))
+    return (blocks.long() * weights).sum(dim=1)
+
+
+def check_disjoint(train, held_out: torch.Tensor, train_name: str, eval_name: str,
+                   train_hashes: torch.Tensor | None = None) -> None:
     """Refuse a held-out set that repeats training blocks: its loss would not measure generalization.
-    Blocks are compared by a 64-bit hash of their tokens, then exactly."""
-    weights = torch.randint(-2**62, 2**62, (train.shape[1],), generator=torch.Generator().manual_seed(0))
-    train_hash, eval_hash = (train * weights).sum(dim=1), (held_out * weights).sum(dim=1)  # wraps around: fine
+    Blocks are compared by `block_hashes` (the training blocks' given as `train_hashes`, when known),
+    then exactly; `train` is anything a LongTensor of rows indexes (a tensor, prepared blocks)."""
+    train_hash = block_hashes(train) if train_hashes is None else train_hashes
+    eval_hash = block_hashes(held_out)
     candidates = torch.isin(eval_hash, train_hash)
     for row in candidates.nonzero().flatten().tolist():
-        if (train == held_out[row]).all(dim=1).any():
+        same_hash = (train_hash == eval_hash[row]).nonzero().flatten()
+        if (train[same_hash] == held_out[row]).all(dim=1).any():
             shared = int(candidates.sum())
             raise DataError(f"{eval_name} repeats blocks of {train_name} (block {row}, and up to {shared} in all): "
                             "held-out data must not be trained on; give an eval set disjoint from the training data")

@@ -6,7 +6,9 @@ batch encoding and Arrow reads release the GIL). The thread owns the sampler: ev
 through it, in the order steps are asked for, so the rows are exactly the sampler's, whatever the
 order of the requests (a loop asks for step k + 1 before step k when it forwards ahead; a resumed
 run starts anywhere). Rows come pinned for GPUs (`pin_memory`), so their copy to the device can
-overlap compute.
+overlap compute. The thread starts at the first request, so that a resumed run first positions the
+sampler (`resume`) and reads nothing before it; `position(k)` is the sampler's position at step k as
+the thread read it, whatever it has read beyond.
 """
 
 from __future__ import annotations
@@ -23,16 +25,29 @@ class Prefetcher:
 
     def __init__(self, sampler, ahead: int = 2, pin_memory: bool = False):
         self.sampler, self.ahead, self.pin_memory = sampler, ahead, pin_memory
-        self._ready: dict[int, torch.Tensor] = {}
+        self._ready: dict[int, tuple[torch.Tensor, dict | None]] = {}  # step → (rows, position)
         self._next = 0  # the step the thread reads next
         self._wanted = -1  # the highest step asked for
         self._error: BaseException | None = None
-        self._closed = False
+        self._closed = self._started = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._read_ahead, name="hf_asyncpp-prefetch", daemon=True)
-        self._thread.start()
 
     def rows(self, step: int) -> torch.Tensor:
+        return self._read(step)[0]
+
+    def position(self, step: int) -> dict | None:
+        """The sampler's position at step `step`'s first block (read if it is not yet)."""
+        return self._read(step)[1]
+
+    def resume(self, step: int, positions: list[dict] | None) -> str | None:
+        """The sampler continues at `step` (see its `resume`); the thread then reads from there."""
+        if self._started:
+            raise RuntimeError("resume() must come before the first request for rows")
+        self._next = step
+        return self.sampler.resume(step, positions)
+
+    def _read(self, step: int) -> tuple[torch.Tensor, dict | None]:
         with self._changed:
             if step not in self._ready and not self._next <= step <= self._next + self.ahead:
                 self._ready.clear()  # behind the thread, or far ahead of it (a resume): restart there
@@ -41,6 +56,9 @@ class Prefetcher:
             for old in [s for s in self._ready if s < step - 1]:  # a loop may ask for step − 1 once more
                 del self._ready[old]
             self._changed.notify_all()
+            if not self._started:
+                self._started = True
+                self._thread.start()
             while step not in self._ready and self._error is None:
                 self._changed.wait()
             if step in self._ready:  # read before a later step failed
@@ -51,7 +69,8 @@ class Prefetcher:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        self._thread.join()
+        if self._started:
+            self._thread.join()
 
     def _read_ahead(self) -> None:
         while True:
@@ -65,6 +84,7 @@ class Prefetcher:
                 rows = self.sampler.rows(step)
                 if self.pin_memory:
                     rows = rows.pin_memory()
+                read = (rows, self.sampler.position(step))
             except BaseException as err:  # said to the training thread at its next request
                 with self._changed:
                     self._error = err
@@ -72,6 +92,6 @@ class Prefetcher:
                 return
             with self._changed:
                 if self._next == step:  # not restarted elsewhere meanwhile
-                    self._ready[step] = rows
+                    self._ready[step] = read
                     self._next = step + 1
                 self._changed.notify_all()

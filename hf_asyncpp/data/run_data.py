@@ -8,6 +8,7 @@ Held-out blocks are the eval dataset whole or, for a map-style train set, its la
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,8 @@ import torch
 from ..evaluation import split_held_out
 from .packing import BlockPacker, check_disjoint, check_vocabulary
 from .prefetch import Prefetcher
+from .prepare import read_manifest
+from .prepared import PreparedBlocks
 from .samplers import MinibatchSampler, StreamingSampler
 from .sources import load_source
 
@@ -25,6 +28,17 @@ __all__ = ["TokenFreeRows", "TrainingData", "token_free_data", "training_data"]
 class TrainingData:
     sampler: MinibatchSampler | Prefetcher | TokenFreeRows  # .rows(step) → (rows_per_step, seq_len), this dp rank
     held_out: torch.Tensor | None  # (n, seq_len) validation blocks, or None
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """Steps in one pass over the training blocks (all dp ranks); infinite for a stream, whose
+        length is unknown, and for a rank that holds no tokens."""
+        return getattr(self.sampler, "steps_per_epoch", math.inf)
+
+    def epoch(self, step: int) -> float:
+        """Passes over the training blocks after `step` steps (transformers' `state.epoch`; 0 while
+        the length is unknown)."""
+        return step / self.steps_per_epoch
 
     @classmethod
     def from_datasets(cls, train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size: int,
@@ -45,6 +59,12 @@ class TokenFreeRows:
     def rows(self, step: int) -> torch.Tensor:
         return self._rows
 
+    def position(self, step: int) -> None:
+        return None
+
+    def resume(self, step: int, positions: list[dict] | None) -> None:
+        return None
+
 
 def token_free_data(config, n_held_out: int | None) -> TrainingData:
     """What a middle pipeline stage's rank holds instead of the data: the shapes (`n_held_out`
@@ -56,8 +76,11 @@ def token_free_data(config, n_held_out: int | None) -> TrainingData:
 def training_data(config, tokenizer, dp_rank: int, dp_size: int, vocab_size: int | None = None) -> TrainingData:
     """The run's data as the config names it (files, "shakespeare" or a Hub id); token ids must lie
     below `vocab_size` (checked when given)."""
-    train = load_source(config.dataset, config.dataset_config_name, config.dataset_split, streaming=config.streaming,
-                        revision=config.dataset_revision)
+    if read_manifest(config.dataset) is not None and not config.streaming:  # prepared: mapped, never loaded
+        train = PreparedBlocks(config.dataset)
+    else:
+        train = load_source(config.dataset, config.dataset_config_name, config.dataset_split,
+                            streaming=config.streaming, revision=config.dataset_revision)
     eval_rows = None
     if config.eval_dataset is not None:
         eval_rows = load_source(config.eval_dataset, config.dataset_config_name, config.eval_dataset_split,
@@ -80,15 +103,24 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
         if config.eval_fraction > 0:
             raise ValueError("eval_fraction cannot split a streamed dataset (its length is unknown); "
                              "give an eval dataset instead")
+        source = {"dataset": train_name, "config_name": config.dataset_config_name, "split": config.dataset_split,
+                  "revision": config.dataset_revision}  # the stream's saved positions hold only in it
         sampler = StreamingSampler(train_dataset, packer, config.rows_per_step, dp_rank, dp_size,
-                                   config.shuffle, config.seed, vocab_size=vocab_size, name=train_name)
+                                   config.shuffle, config.seed, config.shuffle_window, vocab_size, train_name, source)
         # Packing a stream costs time per step: the next steps are read ahead in a thread.
         return TrainingData(Prefetcher(sampler, pin_memory=torch.cuda.is_available()), held_out)
-    blocks = packer.tensor(train_dataset, train_name)
-    check_vocabulary(blocks, vocab_size, train_name)
-    if held_out is not None:
-        check_disjoint(blocks, held_out, train_name, eval_name)
+    if isinstance(train_dataset, PreparedBlocks):  # vocabulary checked by its manifest; too large to scan
+        blocks = train_dataset
+        if held_out is not None:
+            check_disjoint(blocks, held_out, train_name, eval_name, blocks.hashes())
+    else:
+        blocks = packer.tensor(train_dataset, train_name)
+        check_vocabulary(blocks, vocab_size, train_name)
+        if held_out is not None:
+            check_disjoint(blocks, held_out, train_name, eval_name)
     if eval_dataset is None:
         blocks, held_out = split_held_out(blocks, config.eval_fraction)
+        if isinstance(held_out, PreparedBlocks):
+            held_out = held_out.materialize()
     sampler = MinibatchSampler(blocks, config.rows_per_step, dp_rank, dp_size, config.shuffle, config.seed)
     return TrainingData(sampler, held_out)

@@ -25,7 +25,8 @@ __all__ = [
     "shakespeare_files",
 ]
 
-_LOADERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_LOADERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
+            ".arrow": "arrow"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # namespace/name; glob characters never match
 
 
@@ -48,7 +49,7 @@ def resolve_dataset_files(dataset: str) -> tuple[str, list[str]]:
         return "text", shakespeare_files()
     manifest = read_manifest(dataset)
     if manifest is not None:  # prepared shards (prepare.py): the manifest names them
-        return "parquet", [os.path.join(dataset, shard["file"]) for shard in manifest["shards"]]
+        return "arrow", [os.path.join(dataset, shard["file"]) for shard in manifest["shards"]]
     pattern = os.path.join(dataset, "*") if os.path.isdir(dataset) else dataset
     files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
     if not files:

@@ -1,5 +1,10 @@
 """Which parameters an optimizer treats how: the one place the rules live.
 
+Weight decay applies to the parameters `transformers.Trainer` decays and to no others: not biases,
+not norm weights (`decay_parameter_names`, which is Trainer's own rule applied to a stage module;
+stage modules keep HF's module tree and names, so a stage decays exactly its share of what Trainer
+decays on the whole model).
+
 Muon orthogonalises matrices that map hidden features; everything else is better served by AdamW
 (the Muon authors' and the reference study's practice). A parameter goes to Muon only when both
 hold:
@@ -16,7 +21,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DEFAULT_ADAMW_PATTERNS", "is_matrix", "muon_param_groups", "names_by_group"]
+__all__ = ["DEFAULT_ADAMW_PATTERNS", "decay_parameter_names", "is_matrix", "muon_param_groups", "names_by_group",
+           "weight_decay_groups"]
 
 DEFAULT_ADAMW_PATTERNS = (r"embed_tokens", r"lm_head", r"\.gate\.weight$", r"\.router\.")
 
@@ -27,6 +33,27 @@ def is_matrix(name: str, shape) -> bool:
     if name.rpartition(".")[2].endswith("bias"):  # stacked biases (E, n) look like matrices
         return False
     return len(shape) in (2, 3) and min(shape[-2:]) > 1  # a side of 1: a vector, not a matrix
+
+
+def decay_parameter_names(modules) -> set[str]:
+    """Names of the parameters of `modules` (HF-named stage modules or a whole model) that weight
+    decay applies to, by `Trainer.get_decay_parameter_names` (it does not use its instance)."""
+    from transformers import Trainer
+
+    return {name for module in modules for name in Trainer.get_decay_parameter_names(None, module)}
+
+
+def weight_decay_groups(groups: list[dict], named_params, weight_decay: float, decay_names) -> list[dict]:
+    """`groups` (dicts with "params") split by weight decay: `weight_decay` for the names in
+    `decay_names`, 0 for the rest; `decay_names` None decays every parameter."""
+    names = {id(p): n for n, p in named_params}
+    split = []
+    for group in groups:
+        for decays in (True, False):
+            params = [p for p in group["params"] if (decay_names is None or names[id(p)] in decay_names) == decays]
+            if params:
+                split.append({**group, "params": params, "weight_decay": weight_decay if decays else 0.0})
+    return split
 
 
 def muon_param_groups(named_params, adamw_patterns=None) -> list[dict]:

@@ -4,6 +4,11 @@ torchrun and `accelerate launch --multi_gpu` (also on a CPU-only machine, see
 training_scripts/accelerate/) export WORLD_SIZE / RANK / LOCAL_RANK. accelerate's CPU modes
 (`--cpu`, `distributed_type: MULTI_CPU`) start a single process without them even when several
 were asked for; training would then silently run un-distributed, so that case stops here.
+
+What `accelerate launch` was told reaches its processes as ACCELERATE_* variables. Its
+mixed_precision is carried in `LaunchInfo.mixed_precision` (config.apply_launch_settings honours it
+or refuses a contradiction); settings that hand the model to another engine (accelerate's FSDP,
+DeepSpeed, Megatron-LM, a dynamo backend) are refused here, since the pipeline would ignore them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,29 @@ class LaunchInfo:
     rank: int
     local_rank: int
     launched: bool  # started by torchrun / accelerate (False: plain `python train.py`)
+    mixed_precision: str | None = None  # accelerate launch's mixed_precision (None: not launched by it)
+
+
+# accelerate's switches for engines that would take the model over, and the pipeline's own counterpart.
+_FOREIGN_ENGINES = {
+    "ACCELERATE_USE_FSDP": "FSDP (hf_asyncpp shards over dp itself: the fsdp config key)",
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+}
+
+
+def _accelerate_settings(env) -> str | None:
+    """accelerate launch's mixed_precision; LaunchError for a setting the pipeline cannot honour."""
+    for variable, engine in _FOREIGN_ENGINES.items():
+        if env.get(variable, "").lower() in ("true", "1"):
+            raise LaunchError(f"accelerate launch was configured for {engine}, which hf_asyncpp does not use; "
+                              "remove it from the accelerate config")
+    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "NO")
+    if backend.upper() != "NO":
+        raise LaunchError(f"accelerate launch was configured with dynamo_backend {backend}; hf_asyncpp compiles "
+                          "each decoder layer itself: set dynamo_backend to no and compile_layers (torch_compile) instead")
+    mixed = env.get("ACCELERATE_MIXED_PRECISION")
+    return mixed.lower() if mixed else None
 
 
 def _parent_cmdline() -> list[str]:
@@ -61,8 +89,10 @@ def _accelerate_requested_processes(cmdline: list[str]) -> int | None:
 
 def read_launch() -> LaunchInfo:
     env = os.environ
+    mixed_precision = _accelerate_settings(env)
     if "WORLD_SIZE" in env and "RANK" in env:
-        return LaunchInfo(int(env["WORLD_SIZE"]), int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), True)
+        return LaunchInfo(int(env["WORLD_SIZE"]), int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), True,
+                          mixed_precision)
     if env.get("ACCELERATE_USE_CPU", "").lower() == "true" or "ACCELERATE_DYNAMO_BACKEND" in env:
         requested = _accelerate_requested_processes(_parent_cmdline())
         if requested and requested > 1:
@@ -72,6 +102,6 @@ def read_launch() -> LaunchInfo:
                 "`accelerate launch --config_file training_scripts/accelerate/cpu_2proc.yaml ...` "
                 f"(or `--multi_gpu --num_processes {requested}`, which works on CPU too), or torchrun."
             )
-    return LaunchInfo(1, 0, 0, False)
+    return LaunchInfo(1, 0, 0, False, mixed_precision)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..log import get_logger
 from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study
 from .results import collect_arms, results_rows, write_results
@@ -20,13 +21,15 @@ from .runner import arm_dir, check_arms, run_arms
 
 __all__ = ["Arm", "Study", "StudyError", "load_study", "report", "run_study"]
 
+logger = get_logger(__name__)
+
 
 def _choose_learning_rates(study: Study, log) -> dict[str, float]:
     tuning = study.tuning_arms()
     chosen = {opt: lrs[0] for opt, lrs in study.learning_rates.items()}
     if not tuning:
         return chosen
-    log(f"[study] tuning learning rates on {len(tuning)} sync arms")
+    log(f"study: tuning learning rates on {len(tuning)} sync arms")
     outcomes = run_arms(study, tuning, log)
     trials = {}
     for arm in tuning:
@@ -40,7 +43,7 @@ def _choose_learning_rates(study: Study, log) -> dict[str, float]:
     (study.output_dir / "tuning.json").write_text(json.dumps(
         {"trials": {o: {str(lr): loss for lr, loss in t.items()} for o, t in trials.items()}, "chosen": chosen},
         indent=1))
-    log("[study] learning rates: " + ", ".join(f"{o} {lr:g}" for o, lr in chosen.items()))
+    log("study: learning rates: " + ", ".join(f"{o} {lr:g}" for o, lr in chosen.items()))
     return chosen
 
 
@@ -55,7 +58,7 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     return write_results(study.output_dir, rows, records, failed or []) + write_figures(study.output_dir, rows, records)
 
 
-def run_study(path: str | Path, log=print) -> list[Path]:
+def run_study(path: str | Path, log=logger.info) -> list[Path]:
     """Run (or continue) a study and write its report; returns the files written."""
     study = load_study(path)
     # Every arm's config is checked before anything runs (with each optimizer's first learning rate).
@@ -63,10 +66,10 @@ def run_study(path: str | Path, log=print) -> list[Path]:
     study.output_dir.mkdir(parents=True, exist_ok=True)
     chosen = _choose_learning_rates(study, log)
     arms = study.arms(chosen)
-    log(f"[study] {study.name}: {len(arms)} arms, {study.parallel} at a time, launch {study.launch}")
+    log(f"study: {study.name}: {len(arms)} arms, {study.parallel} at a time, launch {study.launch}")
     outcomes = run_arms(study, arms, log)
     failed = sorted(name for name, outcome in outcomes.items() if outcome == "failed")
     paths = report(study, failed)
-    log(f"[study] {sum(o == 'done' for o in outcomes.values())} ran, {sum(o == 'skipped' for o in outcomes.values())} "
+    log(f"study: {sum(o == 'done' for o in outcomes.values())} ran, {sum(o == 'skipped' for o in outcomes.values())} "
         f"already finished, {len(failed)} failed; results in {study.output_dir}")
     return paths

@@ -18,9 +18,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..log import get_logger
 from .grid import Arm, Study, StudyError
 
 __all__ = ["arm_dir", "check_arms", "run_arms"]
+
+logger = get_logger(__name__)
 
 DONE, FAILED = "arm.json", "failed.txt"
 
@@ -88,7 +91,7 @@ def _run_one(study: Study, arm: Arm, log) -> str:
     if _finished(directory, settings):
         return "skipped"
     if (directory / DONE).is_file():
-        log(f"[study] {arm.name}: its settings changed since it ran; running it again")
+        log(f"study: {arm.name}: its settings changed since it ran; running it again")
         (directory / DONE).unlink()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / FAILED).unlink(missing_ok=True)
@@ -100,16 +103,16 @@ def _run_one(study: Study, arm: Arm, log) -> str:
     if status != 0 or final is None:
         tail = (directory / "stderr.txt").read_text()[-4000:]
         (directory / FAILED).write_text(f"exit status {status}\n{tail}")
-        log(f"[study] {arm.name}: failed (exit status {status}; see {directory / FAILED})")
+        log(f"study: {arm.name}: failed (exit status {status}; see {directory / FAILED})")
         return "failed"
     record = {"arm": arm.__dict__, "mode": arm.mode, "final_eval": final, "seconds": round(time.time() - start, 1),
               "settings": settings}
     (directory / DONE).write_text(json.dumps(record, indent=1))
-    log(f"[study] {arm.name}: eval_loss {final['eval_loss']:.4f} ({record['seconds']:.0f}s)")
+    log(f"study: {arm.name}: eval_loss {final['eval_loss']:.4f} ({record['seconds']:.0f}s)")
     return "done"
 
 
-def run_arms(study: Study, arms: list[Arm], log=print) -> dict[str, str]:
+def run_arms(study: Study, arms: list[Arm], log=logger.info) -> dict[str, str]:
     """Run the arms not finished yet, `study.parallel` at a time; {arm name: done|skipped|failed}.
     The arms' configs are expected to be checked (`check_arms`) already."""
     with ThreadPoolExecutor(max_workers=study.parallel) as pool:

@@ -306,3 +306,63 @@ def test_an_asynchronous_checkpoint_resumes_with_another_dp_size(tmp_path):
     run_ranks(4, _run_part, 2, "pipedream-2bw", "adamw", True, str(tmp_path), "first")
     for report in run_ranks(2, _run_part, 2, "pipedream-2bw", "adamw", True, str(tmp_path), "resumed"):
         assert len(report["losses"]) == STEPS - AT and all(math.isfinite(x) for x in report["losses"]), report
+
+
+_TIMING = ("train_tokens_per_second", "step_time_s", "idle_fraction_per_rank")
+
+
+def _train_py(out, *overrides):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "training_scripts/train.py", "--output_dir", str(out), *overrides],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_checkpoint_carries_transformers_trainer_state_and_a_resumed_run_continues_its_log(tmp_path):
+    """train.py on one process, evaluating and saving every 2 steps: each checkpoint's
+    trainer_state.json is a `transformers.TrainerState` of that step; the run's own resume keys are in
+    pipeline_state.json; a run resumed from checkpoint-2 saves a checkpoint-4 with the same log history
+    as the run that never stopped (timings aside)."""
+    import shutil
+
+    import torch
+    from transformers import TrainerState
+
+    from hf_asyncpp.checkpoint.checkpoints import PIPELINE_STATE
+
+    model = small_model_config("tiny-qwen3-moe")
+    model.vocab_size = 8192  # the built-in tokenizer's, which the checkpoint then carries
+    model.save_pretrained(tmp_path / "model")
+    rows = torch.randint(0, 8192, (40, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    settings = ["--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
+                "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches", str(M), "--max_steps", "4",
+                "--save_steps", "2", "--eval_steps", "2", "--eval_fraction", "0.2", "--report_to", "none",
+                "--save_final", "false"]
+    _train_py(tmp_path / "straight", *settings)
+    states = {step: TrainerState.load_from_json(str(tmp_path / "straight" / f"checkpoint-{step}" / "trainer_state.json"))
+              for step in (2, 4)}
+    blocks_per_epoch = 32  # 40 rows, the last 20% held out
+    for step, state in states.items():
+        assert (state.global_step, state.max_steps, state.train_batch_size) == (step, 4, MBS * M)
+        assert (state.logging_steps, state.eval_steps, state.save_steps) == (1, 2, 2)
+        assert state.epoch == pytest.approx(step * MBS * M / blocks_per_epoch)
+        assert state.best_metric is None and state.best_model_checkpoint is None
+        assert [r["step"] for r in state.log_history if "loss" in r] == list(range(1, step + 1))
+        assert [r["step"] for r in state.log_history if "eval_loss" in r] == [2]
+    pipeline = json.loads((tmp_path / "straight" / "checkpoint-2" / PIPELINE_STATE).read_text())
+    assert (pipeline["step"], pipeline["pp_size"], pipeline["schedule"]) == (2, 1, "1f1b")
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in (tmp_path / "straight" / "checkpoint-2").iterdir()}
+
+    shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    _train_py(tmp_path / "resumed", *settings, "--resume_from_checkpoint", "latest")
+    resumed = TrainerState.load_from_json(str(tmp_path / "resumed" / "checkpoint-4" / "trainer_state.json"))
+
+    def untimed(log):
+        return [{k: v for k, v in r.items() if k not in _TIMING} for r in log]
+
+    assert untimed(resumed.log_history) == untimed(states[4].log_history)
+

@@ -118,5 +118,5 @@ def test_an_output_dir_that_becomes_unwritable_stops_the_run_and_the_last_checkp
     resumed = subprocess.run(_command(tmp_path, out, "--max_steps", "30", "--resume_from_checkpoint", "latest"),
                              capture_output=True, text=True, env=_env(), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoint-2'} after step 2" in resumed.stdout
+    assert f"resumed from {out / 'checkpoint-2'} after step 2" in resumed.stderr
     assert sorted(_losses(out)) == list(range(1, 31))

@@ -89,3 +89,45 @@ def test_name_patterns_cannot_send_a_non_matrix_to_muon():
         muon = names_by_group(tiny_model(model_type).named_parameters(), adamw_patterns=[])["muon"]
         assert "model.embed_tokens.weight" in muon and "model.layers.0.mlp.experts.gate_up_proj" in muon
         assert not [n for n in muon if n.endswith("bias") or "shared_expert_gate" in n], muon
+
+
+# --- weight decay: Trainer's exclusions, stage by stage --------------------------------------------
+
+def _trainer_decay_names(model) -> set[str]:
+    """transformers' own answer on the unsplit model."""
+    from transformers import Trainer
+
+    return set(Trainer.get_decay_parameter_names(None, model))
+
+
+@pytest.mark.parametrize("model_type", sorted(EXPECTED))
+def test_the_stages_decay_exactly_what_trainer_decays_on_the_whole_model(model_type):
+    from hf_asyncpp.models import build_stage_modules, plan_stages
+    from hf_asyncpp.optim.param_groups import decay_parameter_names
+
+    model = tiny_model(model_type)
+    whole = _trainer_decay_names(model)
+    plan = plan_stages(model.config, 2, "layers", None)
+    per_stage = [decay_parameter_names([stage]) for stage in build_stage_modules(model, plan, [0, 1])]
+    assert not per_stage[0] & per_stage[1] and per_stage[0] | per_stage[1] == whole
+    names = {n for n, _ in model.named_parameters()}
+    exempt = names - whole  # what Trainer leaves undecayed: biases and norm weights, nothing else
+    assert exempt == {n for n in names if "bias" in n or "norm" in n}, exempt
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.o_proj.weight"} <= whole
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "muon", "soap", "lion"])
+def test_every_optimizer_applies_weight_decay_to_the_decayed_names_only(optimizer):
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.optim import optimizer_from_config
+    from hf_asyncpp.optim.param_groups import decay_parameter_names
+
+    model = tiny_model("qwen3_moe")
+    config = TrainConfig(optimizer=optimizer, weight_decay=0.1)
+    opt = optimizer_from_config(config, model.named_parameters(), decay_parameter_names([model]))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay_of = {names[id(p)]: g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert sorted(decay_of) == sorted(names.values())  # every parameter once
+    whole = _trainer_decay_names(model)
+    assert {n for n, wd in decay_of.items() if wd == 0.1} == whole
+    assert {wd for n, wd in decay_of.items() if n not in whole} == {0.0}

@@ -1,0 +1,78 @@
+"""What the launcher was told, read before any process group starts: accelerate launch's
+mixed_precision is honoured or, where the run's config contradicts it, refused with one line;
+settings for engines that would take the model over (accelerate's FSDP, DeepSpeed, a dynamo
+backend) are refused. train.py's path: exit 2, one `error:` line, nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from hf_asyncpp.config import load_config
+from hf_asyncpp.config import apply_launch_settings
+from hf_asyncpp.parallel.launch import LaunchError, read_launch
+from hf_asyncpp.run import main
+
+TINY = "training_scripts/configs/tiny_moe.yaml"
+
+
+@pytest.mark.parametrize("launcher, run, expected", [
+    (None, "auto", "auto"), ("bf16", "auto", "bf16"), ("no", "auto", "no"), ("bf16", "bf16", "bf16"), ("no", "no", "no"),
+])
+def test_accelerates_mixed_precision_fills_in_auto_and_agrees_otherwise(launcher, run, expected, monkeypatch):
+    if launcher is not None:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    else:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    config = load_config(None, ["--mixed_precision", run])
+    apply_launch_settings(config, read_launch())
+    assert config.mixed_precision == expected
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, "accelerate launch asks for mixed_precision bf16 but the run's "
+                                             "mixed_precision is no: make the accelerate config and the run's config agree"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "asks for mixed_precision fp16; hf_asyncpp computes in bf16"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "configured for DeepSpeed, which hf_asyncpp does not use"),
+    ({"ACCELERATE_USE_FSDP": "true"}, "configured for FSDP"),
+    ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "dynamo_backend INDUCTOR; hf_asyncpp compiles each decoder layer itself"),
+])
+def test_a_launcher_setting_the_run_cannot_honour_is_one_error_before_any_process_group(
+        variables, message, tmp_path, monkeypatch, capsys):
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", **variables}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    assert main(["--config", TINY, "--mixed_precision", "no", "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and err.strip().startswith("error:") and message in err, err
+    assert not dist.is_initialized() and not out.exists()
+
+
+def test_the_launch_is_read_from_the_environment(monkeypatch):
+    for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "ACCELERATE_MIXED_PRECISION": "BF16"}.items():
+        monkeypatch.setenv(name, value)
+    launch = read_launch()
+    assert (launch.world_size, launch.rank, launch.local_rank, launch.launched, launch.mixed_precision) == (
+        4, 3, 1, True, "bf16")
+    monkeypatch.setenv("ACCELERATE_USE_MEGATRON_LM", "true")
+    with pytest.raises(LaunchError, match="Megatron-LM"):
+        read_launch()
+
+
+@pytest.mark.multirank
+def test_under_accelerate_launch_a_contradicted_mixed_precision_stops_both_ranks_with_one_line(tmp_path):
+    """accelerate launch's own --mixed_precision (as its config's key would) reaches the ranks; the
+    run's config says no: exit status 2 from every rank, one error line (rank 0's), nothing written."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    cmd = ["accelerate", "launch", "--config_file", "training_scripts/accelerate/cpu_2proc.yaml", "--mixed_precision",
+           "bf16", "training_scripts/train.py", "--config", TINY, "--mixed_precision", "no", "--output_dir", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: accelerate launch asks for mixed_precision bf16 but the run's mixed_precision is no: "
+                     "make the accelerate config and the run's config agree"], done.stderr[-2000:]
+    assert not out.exists()
