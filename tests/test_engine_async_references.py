@@ -28,7 +28,8 @@ counts, foreach AdamW) moves them by ~1e-7 per update, which AdamW amplifies in 
 (foreach on the reference side: 1.2e-5 after 24 updates — so fused it is). Each test also replays
 a plausible wrong rule (one update more stale, both WPipe groups stale, no sync start) and requires
 it to miss the pipeline by more than 100× the tolerance (seen: 2e-2 to 7e-2), so the comparison can
-fail; making the engine's WPipe second half stale fails it by 2e-2.
+fail; making the engine's WPipe second half stale fails it by 2e-2, and decaying norm weights
+(which Trainer's rule, and so the engine, exempts) by 2e-4.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
     on a copy holding every parameter at the version its stage's delay says, then applied to the
     current weights. Returns (per-step mean LM losses, final named parameters)."""
     import torch
+    from transformers import Trainer
 
     current = _initial_model()
     stale = copy.deepcopy(current)
@@ -112,7 +114,11 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
         return 0 if name.startswith("model.embed_tokens") else n_stages - 1
 
     delay = {name: delay_of_stage(stage_of(name)) for name, _ in current.named_parameters()}
-    optimizer = torch.optim.AdamW(current.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True)
+    # Weight decay on what transformers.Trainer decays (not biases, not norm weights), as documented.
+    decayed = set(Trainer.get_decay_parameter_names(None, current))
+    groups = [dict(params=[p for n, p in current.named_parameters() if (n in decayed) == decay],
+                   weight_decay=WEIGHT_DECAY if decay else 0.0) for decay in (True, False)]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=True)
     history = [{n: p.detach().clone() for n, p in current.named_parameters()}]  # history[v]: after v updates
     units_per_step = M if per_microbatch else 1
     losses = []
