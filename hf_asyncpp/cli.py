@@ -31,9 +31,11 @@ commands:
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
   prepare-data SOURCE OUT_DIR --seq_len N [--tokenizer T] [--text_column C] [--blocks_per_shard B]
                [--dataset_config_name X] [--dataset_split S] [--dataset_revision R]
-                                            tokenize and pack a corpus (files or a Hub id, streamed)
-                                            into Arrow shards + manifest.json; train with
-                                            `--dataset OUT_DIR` (no tokenizing, no network)
+               [--num_proc P] [--max_tokens T]
+                                            tokenize and pack a corpus (files or a Hub id, streamed;
+                                            its files P at a time; its first T tokens) into Arrow
+                                            shards + manifest.json; train with `--dataset OUT_DIR`
+                                            (no tokenizing, no network)
 """
 
 
