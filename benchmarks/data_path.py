@@ -9,16 +9,16 @@ Measured:
   - map-style: the first load (read, tokenize through the cached `datasets.map`, pack) and a second
     load (from the cache), in tokens/s of the whole corpus;
   - streamed: `rows(step)` of `StreamingSampler` back to back (tokenize and pack on the fly), tokens/s;
-  - prepared: `hf-asyncpp prepare-data` of the same paragraphs written as 4 files, with 1 and with 2
-    processes (`num_proc`), tokens/s of the preparation; then a run's `rows(step)` from the prepared
+  - prepared: `hf-asyncpp prepare-data` of the same paragraphs written as 4 files (`--prepare-copies`
+    times over), with 1 and with 2 processes (`num_proc`), tokens/s of the preparation; then a run's `rows(step)` from the prepared
     shards, shuffled (random rows of the memory-mapped shards), tokens/s;
-  - on the critical path: a loop that "trains" for `--step-ms` per step (a busy wait standing for the
-    step's compute) and asks for each step's rows, streamed, directly and through `Prefetcher`: the
-    mean time per step spent waiting for rows;
+  - on the critical path: a loop that "trains" for `--step-ms` per step (torch matmuls standing for
+    the step's compute) and asks for each step's rows, streamed, directly and through `Prefetcher`:
+    the mean time per step spent waiting for rows;
   - the step's need: rows-per-step × seq_len tokens per `--step-ms`.
 
     python benchmarks/data_path.py [--seq-len 128] [--rows-per-step 32] [--step-ms 100] [--steps 40]
-        [--out benchmarks/results/data_path.json]
+        [--prepare-copies 1] [--out benchmarks/results/data_path.json]
 """
 
 from __future__ import annotations
@@ -39,9 +39,15 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "data_path.json"
 
 
 def _busy(seconds: float) -> None:
+    """A step's compute: torch matmuls until `seconds` have passed. Like a training step's ops, they
+    release the GIL while they run (a pure-Python busy wait would not, and would starve the read-ahead
+    thread of it)."""
+    import torch
+
+    a = torch.randn(192, 192)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        pass
+        a = torch.mm(a, a).clamp_(-1, 1)
 
 
 def _waits(sampler, steps: int, step_s: float) -> float:
@@ -61,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows-per-step", type=int, default=32)
     parser.add_argument("--step-ms", type=float, default=100.0)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prepare-copies", type=int, default=1,
+                        help="the prepare-data corpus holds the paragraphs this many times (its start-up amortized)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     cache = tempfile.mkdtemp(prefix="hf_asyncpp_data_path_")
@@ -100,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     files = os.path.join(cache, "files")
     os.makedirs(files)
     for i in range(4):  # prepare-data works in parallel over a source's files
-        Path(files, f"{i}.jsonl").write_text("".join(lines[i * len(lines) // 4:(i + 1) * len(lines) // 4]))
+        part = "".join(lines[i * len(lines) // 4:(i + 1) * len(lines) // 4])
+        Path(files, f"{i}.jsonl").write_text(part * args.prepare_copies)
     for num_proc in (1, 2):
         start = time.perf_counter()
         manifest = prepare_data(files, os.path.join(cache, f"prepared_{num_proc}"), "builtin", args.seq_len,
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         rates={name: dict(seconds=s, tokens=n, tokens_per_s=n / s) for name, (s, n) in timings.items()},
         step_need_tokens_per_s=tokens_per_step / step_s,
         wait_ms_per_step=dict(direct=1e3 * direct_wait, prefetched=1e3 * ahead_wait),
-        meta=dict(seq_len=args.seq_len, rows_per_step=args.rows_per_step, step_ms=args.step_ms, steps=args.steps,
+        meta=dict(prepare_copies=args.prepare_copies, seq_len=args.seq_len, rows_per_step=args.rows_per_step, step_ms=args.step_ms, steps=args.steps,
                   torch=torch.__version__, transformers=transformers.__version__, datasets=datasets.__version__,
                   cpu_count=os.cpu_count(), machine=platform.machine(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
     out = Path(args.out)

@@ -198,6 +198,14 @@ class _InProcess:
         return None
 
 
+def _one_thread() -> None:
+    """A worker process's tokenizer runs on one thread: num_proc processes share the cores (one
+    process alone lets the tokenizer's batch encoding use all of them)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
 def _workers(num_proc: int):
     # spawn: tokenizers' thread pools do not survive a fork
-    return _InProcess() if num_proc == 1 else ProcessPoolExecutor(num_proc, mp_context=get_context("spawn"))
+    if num_proc == 1:
+        return _InProcess()
+    return ProcessPoolExecutor(num_proc, mp_context=get_context("spawn"), initializer=_one_thread)
