@@ -2,7 +2,8 @@
 Mixture-of-Experts causal LMs on torch.distributed.pipelining."""
 
 from .checkpoint import export_checkpoint, export_hf_model, gather_full_state_dict
-from .config import ConfigError, TrainConfig, load_config, validate_config
+from .config import ConfigError, TrainConfig, load_config
+from .config_checks import validate_config
 from .engine import PipelineEngine, build_full_model
 from .evaluation import PERPLEXITY_METRIC_PATH
 from .metrics import StepResult

@@ -215,7 +215,8 @@ class TrainingLoop:
     def _termination_handled(self):
         """SIGTERM handled at a step boundary where the run can be checkpointed; otherwise (WPipe, an
         emulated asynchronous schedule) the signal keeps its default effect."""
-        from .config import ConfigError, check_step_boundaries
+        from .config import ConfigError
+        from .config_checks import check_step_boundaries
 
         try:
             check_step_boundaries(self.engine.spec, self.config, "training checkpoints")

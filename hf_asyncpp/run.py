@@ -108,7 +108,8 @@ def train(config, model_config, launch) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse_args(argv)
-    from .config import ConfigError, apply_launch_settings, fit_to_one_process, load_config, validate_config
+    from .config import ConfigError, load_config
+    from .config_checks import apply_launch_settings, fit_to_one_process, validate_config
     from .parallel.launch import LaunchError, read_launch
 
     try:

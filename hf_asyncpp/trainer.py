@@ -36,7 +36,8 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
-from .config import ConfigError, check_model_fits, check_settings, check_step_boundaries
+from .config import ConfigError
+from .config_checks import check_model_fits, check_settings, check_step_boundaries
 from .loop import LoopHooks, StepDecision, TrainingLoop
 from .trainer_args import AsyncPPTrainingArguments
 

@@ -11,7 +11,7 @@ TrainingArguments is in `HONOURED` (works as in transformers.Trainer; how, in br
 - `optim` names map onto the pipeline's optimizers (`optimizer` names them too; the two must agree);
   `momentum` (default: adam_beta1) is the optimizer's first-moment / momentum coefficient;
 - bf16 turns on bf16 compute with fp32 master weights; accelerate launch's mixed_precision is
-  honoured or a contradiction refused (config.apply_launch_settings);
+  honoured or a contradiction refused (config_checks.apply_launch_settings);
 - torch_compile compiles each decoder layer (`compile_layers`), not the whole model;
 - report_to defaults to tensorboard.
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .config import (ConfigError, TrainConfig, apply_launch_settings, check_settings, config_from_values,
-                     fit_to_one_process)
+from .config import ConfigError, TrainConfig, config_from_values
+from .config_checks import apply_launch_settings, check_settings, fit_to_one_process
 
 __all__ = ["AsyncPPTrainingArguments", "HONOURED", "REFUSED"]
 

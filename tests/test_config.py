@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from hf_asyncpp.config import ConfigError, TrainConfig, load_config, validate_config
+from hf_asyncpp.config import ConfigError, TrainConfig, load_config
+from hf_asyncpp.config_checks import validate_config
 from hf_asyncpp.run import main
 
 DEFAULT_YAML = "training_scripts/configs/tiny_moe.yaml"

@@ -295,7 +295,8 @@ def test_prepared_shards_train_on_the_blocks_of_the_corpus_itself(tmp_path):
 
 
 def test_prepared_shards_are_refused_at_another_seq_len_and_never_left_half_written(tmp_path):
-    from hf_asyncpp.config import ConfigError, validate_config
+    from hf_asyncpp.config import ConfigError
+    from hf_asyncpp.config_checks import validate_config
 
     corpus, out = _corpus(tmp_path, "jsonl"), tmp_path / "prepared"
     assert _prepare(corpus, str(out), "--seq_len", "8").returncode == 0

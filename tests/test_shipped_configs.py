@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_asyncpp.config import load_config, validate_config
+from hf_asyncpp.config import load_config
+from hf_asyncpp.config_checks import validate_config
 from hf_asyncpp.hub import parameter_counts
 from hf_asyncpp.models.presets import build_config
 from hf_asyncpp.study import load_study

@@ -6,7 +6,7 @@ training_scripts/accelerate/) export WORLD_SIZE / RANK / LOCAL_RANK. accelerate'
 were asked for; training would then silently run un-distributed, so that case stops here.
 
 What `accelerate launch` was told reaches its processes as ACCELERATE_* variables. Its
-mixed_precision is carried in `LaunchInfo.mixed_precision` (config.apply_launch_settings honours it
+mixed_precision is carried in `LaunchInfo.mixed_precision` (config_checks.apply_launch_settings honours it
 or refuses a contradiction); settings that hand the model to another engine (accelerate's FSDP,
 DeepSpeed, Megatron-LM, a dynamo backend) are refused here, since the pipeline would ignore them.
 """

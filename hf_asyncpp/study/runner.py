@@ -46,7 +46,8 @@ def _cli(values: dict) -> list[str]:
 
 def check_arms(study: Study, arms: list[Arm]) -> None:
     """Validate every arm's config as train.py would (StudyError naming the arm)."""
-    from ..config import ConfigError, load_config, validate_config
+    from ..config import ConfigError, load_config
+    from ..config_checks import validate_config
 
     for arm in arms:
         try:

@@ -183,7 +183,8 @@ def _cli_export(*args):
 
 
 def test_a_checkpoint_of_an_earlier_version_is_refused_with_one_error_line_and_nothing_written(deepseek_run, tmp_path):
-    from hf_asyncpp.config import ConfigError, TrainConfig, validate_config
+    from hf_asyncpp.config import ConfigError, TrainConfig
+    from hf_asyncpp.config_checks import validate_config
 
     old = _old_or_edited(deepseek_run, tmp_path)
     done = _cli_export(old, tmp_path / "out")

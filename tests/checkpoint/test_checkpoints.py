@@ -129,7 +129,8 @@ def saved_checkpoint(tmp_path_factory):
 
 
 def _validation_error(checkpoint, tmp_path) -> str:
-    from hf_asyncpp.config import ConfigError, TrainConfig, validate_config
+    from hf_asyncpp.config import ConfigError, TrainConfig
+    from hf_asyncpp.config_checks import validate_config
 
     config = TrainConfig(model_config="tiny-qwen3-moe", resume_from_checkpoint=str(checkpoint),
                          output_dir=str(tmp_path / "out"))

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from hf_asyncpp.config import load_config
-from hf_asyncpp.config import apply_launch_settings
+from hf_asyncpp.config_checks import apply_launch_settings
 from hf_asyncpp.parallel.launch import LaunchError, read_launch
 from hf_asyncpp.run import main
 

@@ -1,0 +1,287 @@
+"""Everything about a config that can be checked before a process group exists (names, sizes,
+paths, the schedule's action lists, the launcher's settings): `validate_config` raises one
+`ConfigError` whose message names the key and the fix. Nothing touches output_dir before it passes.
+"""
+
+from __future__ import annotations
+
+import re
+import os
+
+from .config import ConfigError, TrainConfig
+from .log import get_logger
+from .models.recompute import CHECKPOINTING_MODES
+from .optim import OPTIMIZER_NAMES as OPTIMIZERS
+
+__all__ = ["OPTIMIZERS", "apply_launch_settings", "check_model_fits", "check_settings", "check_step_boundaries",
+           "fit_to_one_process", "validate_config"]
+
+logger = get_logger(__name__)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def fit_to_one_process(config: TrainConfig) -> None:
+    """Without a launcher there is one process: pp_size becomes 1, and an asynchronous schedule is
+    emulated at the depth pp_size asked for (so the run keeps its update rule). Says what it did."""
+    from .schedules import SCHEDULES
+
+    if config.pp_size == 1:
+        return
+    spec = SCHEDULES.get(config.schedule)
+    if spec is not None and not spec.synchronous and not config.emulate_pp_size:
+        config.emulate_pp_size = config.pp_size
+        logger.info(f"one process (no launcher): emulating {config.schedule} at depth {config.pp_size}")
+    else:
+        logger.info(f"one process (no launcher): pp_size {config.pp_size} → 1")
+    config.pp_size = 1
+
+
+def check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
+    """Training checkpoints (resumed by replaying the actions whose updates were still due,
+    schedules/async_order.py: replay_after) and mid-run evaluation need every update unit applied on
+    all stages or on none at a step boundary; WPipe's straddle it. The single-process emulator's
+    held-back gradients are not saved."""
+    from .schedules import ScheduleError
+    from .schedules.async_order import replay_after
+
+    if spec.synchronous:
+        return
+    if purpose == "training checkpoints":
+        _require(config.pp_size > 1, f"training checkpoints of the emulated schedule '{spec.name}' (pp_size 1) "
+                 "are not supported; run it on a pipeline (pp_size >= 2) or use save_final for an HF export")
+    elif config.pp_size == 1:
+        return
+    try:  # the boundary after the first asynchronous step (a sync start's steps hold nothing in flight)
+        replay_after(spec.order, config.pp_size, config.n_microbatches, config.sync_steps, config.sync_steps + 2)
+    except ScheduleError as err:
+        raise ConfigError(f"{purpose} are not supported for schedule '{spec.name}': {err}") from None
+
+
+def _check_lr_schedule(config: TrainConfig) -> None:
+    """The schedule's name, and its lr_scheduler_kwargs tried on a one-parameter optimizer."""
+    import torch
+    from transformers.trainer_utils import SchedulerType
+
+    from .optim import lr_scheduler_from_config
+
+    schedulers = [s.value for s in SchedulerType if s.value not in _METRIC_SCHEDULES]
+    _require(config.lr_scheduler_type in schedulers,
+             f"unknown lr_scheduler_type '{config.lr_scheduler_type}'; available: {', '.join(schedulers)}"
+             + (" (a schedule stepped by an evaluation metric is not supported)"
+                if config.lr_scheduler_type in _METRIC_SCHEDULES else ""))
+    try:
+        lr_scheduler_from_config(config, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"lr_scheduler_kwargs {config.lr_scheduler_kwargs} do not fit lr_scheduler_type "
+                          f"'{config.lr_scheduler_type}': {err}") from None
+
+
+# Schedules that step on an evaluation metric, which the engine's per-update step does not have.
+_METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+
+
+def apply_launch_settings(config: TrainConfig, launch) -> None:
+    """What the launcher was told, honoured or refused: `accelerate launch`'s mixed_precision
+    (parallel/launch.py: LaunchInfo.mixed_precision) replaces mixed_precision "auto"; fp16 / fp8, or
+    a value the run's config contradicts, is a ConfigError."""
+    asked = launch.mixed_precision
+    if asked is None:
+        return
+    _require(asked in ("no", "bf16"), f"accelerate launch asks for mixed_precision {asked}; hf_asyncpp computes "
+             "in bf16 (fp32 master weights) or fp32: set mixed_precision to bf16 or no in the accelerate config")
+    if config.mixed_precision == "auto":
+        config.mixed_precision = asked
+    _require(config.mixed_precision == asked, f"accelerate launch asks for mixed_precision {asked} but the run's "
+             f"mixed_precision is {config.mixed_precision}: make the accelerate config and the run's config agree")
+
+
+def _check_resume(config: TrainConfig) -> None:
+    from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
+
+    if config.resume_from_checkpoint is not None:
+        try:
+            found = find_checkpoint(config.resume_from_checkpoint, config.output_dir)
+            if found is not None:
+                verify_checkpoint(found)
+        except (CheckpointError, OSError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+
+
+def check_settings(config: TrainConfig, world_size: int):
+    """Every check that needs neither the model nor the data (ranges, names, the schedule, the
+    checkpoint to resume). Returns the schedule's spec."""
+    # Imported here: config parsing stays light, validation needs the model and schedule layers.
+    from .schedules import get_schedule_spec
+
+    for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps",
+                "shuffle_window"):
+        _require(getattr(config, key) >= 1, f"{key} must be at least 1, got {getattr(config, key)}")
+    _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
+    _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")
+    _require(config.router_bias_update_rate >= 0,
+             f"router_bias_update_rate must be >= 0, got {config.router_bias_update_rate}")
+    _require(config.muon_lr_scale in ("original", "match_rms_adamw"),
+             f"unknown muon_lr_scale '{config.muon_lr_scale}'; choose original or match_rms_adamw")
+    for pattern in config.muon_adamw_patterns or ():
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(f"muon_adamw_patterns: '{pattern}' is not a regular expression ({err})") from None
+    try:
+        from .reporting import check_report_to
+
+        check_report_to(config.report_to)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _require(config.activation_checkpointing in CHECKPOINTING_MODES,
+             f"unknown activation_checkpointing '{config.activation_checkpointing}'; choose "
+             + ", ".join(CHECKPOINTING_MODES))
+    _require(config.mixed_precision in ("auto", "bf16", "no"),
+             f"unknown mixed_precision '{config.mixed_precision}'; choose auto, bf16 or no")
+    _require(config.grad_reduce_dtype in ("fp32", "compute"),
+             f"unknown grad_reduce_dtype '{config.grad_reduce_dtype}'; choose fp32 or compute")
+    _require(config.fsdp or config.mixed_precision != "bf16",
+             "mixed_precision bf16 is applied by FSDP2: set fsdp to true (or mixed_precision to no)")
+    _require(config.soap_precondition_frequency >= 1,
+             f"soap_precondition_frequency must be at least 1 (updates between eigenbasis refreshes), "
+             f"got {config.soap_precondition_frequency}")
+    _require(config.soap_max_precond_dim >= 1,
+             f"soap_max_precond_dim must be at least 1 (longer sides stay unrotated), got {config.soap_max_precond_dim}")
+    _require(config.ef_lambda >= 0, f"ef_lambda must be >= 0, got {config.ef_lambda}")
+    try:
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        parse_size_to_int(config.max_shard_size)
+    except ValueError:
+        raise ConfigError(f"max_shard_size must be a size such as 5GB or 500MB, got '{config.max_shard_size}'") from None
+    try:
+        from .checkpoint.hf_export import export_dtype
+
+        export_dtype(config.export_dtype)
+    except ValueError as err:
+        raise ConfigError(f"export_dtype: {err}") from None
+    _require(not config.push_to_hub or (config.hub_model_id and config.save_final),
+             "push_to_hub needs hub_model_id (namespace/name) and save_final: true")
+    _require(0 <= config.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {config.eval_fraction}")
+    _require(config.eval_steps >= 0, f"eval_steps must be >= 0, got {config.eval_steps}")
+    _require(not (config.streaming and config.eval_fraction > 0),
+             "eval_fraction cannot hold out part of a streamed dataset (its length is unknown): set "
+             "eval_fraction to 0 and name the held-out files in eval_dataset")
+    _require(config.eval_dataset is None or config.eval_fraction == 0,
+             "eval_dataset and eval_fraction both name a held-out set: keep one (eval_dataset replaces eval_fraction)")
+    _require(not config.eval_steps or config.eval_fraction > 0 or config.eval_dataset is not None,
+             "eval_steps asks for evaluation, but there is no evaluation set: set eval_fraction > 0 or eval_dataset")
+    _require(config.save_steps >= 0, f"save_steps must be >= 0 (0: no checkpoints), got {config.save_steps}")
+    _require(config.save_total_limit is None or config.save_total_limit >= 1,
+             f"save_total_limit must be at least 1, got {config.save_total_limit}")
+    from .resilience import NONFINITE_POLICIES
+
+    _require(config.nonfinite_policy in NONFINITE_POLICIES,
+             f"unknown nonfinite_policy '{config.nonfinite_policy}'; choose {' or '.join(NONFINITE_POLICIES)}")
+    _require(config.nonfinite_skip_limit >= 0, f"nonfinite_skip_limit must be >= 0, got {config.nonfinite_skip_limit}")
+    _require(config.comm_timeout_s > 0, f"comm_timeout_s must be positive, got {config.comm_timeout_s}")
+    _check_resume(config)
+    _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
+    _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")
+    _require(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
+    _check_lr_schedule(config)
+    try:
+        spec = get_schedule_spec(config.schedule)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _require(config.sync_steps >= 0, f"sync_steps must be >= 0, got {config.sync_steps}")
+    _require(not (config.sync_steps and spec.synchronous),
+             f"sync_steps makes the first steps of an asynchronous schedule synchronous; '{spec.name}' is "
+             "synchronous throughout: remove sync_steps or choose pipedream-2bw, pipedream or wpipe")
+    _require(config.sync_steps < config.max_steps,
+             f"sync_steps ({config.sync_steps}) must be below max_steps ({config.max_steps}): the run would "
+             "never switch to its asynchronous schedule")
+    if config.save_steps or config.resume_from_checkpoint:
+        check_step_boundaries(spec, config, "training checkpoints")
+    if config.eval_steps:
+        check_step_boundaries(spec, config, "evaluations during training (eval_steps; the final one works)")
+    _require(
+        world_size % config.pp_size == 0,
+        f"world size {world_size} is not divisible by pp_size {config.pp_size}; "
+        f"launch a multiple of {config.pp_size} processes or change pp_size",
+    )
+    return spec
+
+
+def check_model_fits(config: TrainConfig, model_config) -> None:
+    """The model against the pipeline: enough layers for the stages, untied embeddings, positions
+    for seq_len, a stage plan and a microbatch count the schedule accepts."""
+    from .models import plan_stages
+    from .schedules import get_schedule_spec
+
+    # The order is checked across the switch of a sync start (two synchronous steps stand for any number).
+    spec = get_schedule_spec(config.schedule).starting_synchronously(min(config.sync_steps, 2))
+    _require(config.emulate_pp_size >= 0, f"emulate_pp_size must be >= 0, got {config.emulate_pp_size}")
+    emulating = spec.order is not None and config.pp_size == 1
+    depth = max(config.emulate_pp_size, 1) if emulating else config.pp_size
+    _require(
+        not (emulating and spec.order.per_microbatch_updates and depth < 2),
+        f"schedule '{spec.name}' makes stage s p-1-s updates stale, so on one process it needs the depth to "
+        "emulate: set emulate_pp_size >= 2 (or run it on a pipeline, pp_size >= 2)",
+    )
+    n_stages = spec.n_stages(depth)
+    n_layers = model_config.num_hidden_layers
+    _require(
+        n_stages <= n_layers,
+        f"pp_size {depth} with schedule '{spec.name}' needs {n_stages} stages, "
+        f"but the model has only {n_layers} decoder layers",
+    )
+    _require(
+        not (n_stages > 1 and getattr(model_config, "tie_word_embeddings", False)),
+        "tied input/output embeddings cannot be split across pipeline stages; set tie_word_embeddings "
+        "to false in the model config (the first and last stage would each own a copy)",
+    )
+    positions = getattr(model_config, "max_position_embeddings", None)
+    _require(positions is None or config.seq_len <= positions,
+             f"seq_len {config.seq_len} exceeds the model's max_position_embeddings ({positions}); "
+             "shorten seq_len or use a model config with more positions")
+    try:
+        spec.check_microbatches(depth, config.n_microbatches)
+        plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def validate_config(config: TrainConfig, world_size: int):
+    """Check everything before a process group exists. Returns the HF model config to build."""
+    from .data import check_dataset_source, check_tokenizer_source, hub_offline
+    from .models import UnsupportedModelError, family_for
+    from .models.presets import build_config
+
+    check_settings(config, world_size)
+    overrides = {}
+    if config.attn_implementation:
+        overrides["attn_implementation"] = config.attn_implementation
+    if config.router_aux_loss_coef is not None:
+        overrides["router_aux_loss_coef"] = config.router_aux_loss_coef
+    source = config.init_from or config.model_config
+    if config.init_from is not None:
+        offline = hub_offline()
+        _require(os.path.isdir(config.init_from) or (not offline and "/" in config.init_from),
+                 f"init_from '{config.init_from}' is not a model directory"
+                 + (" (the Hub is offline: HF_HUB_OFFLINE is set)" if offline else ""))
+    try:
+        model_config = build_config(source, **overrides)
+        family_for(model_config)
+    except (FileNotFoundError, UnsupportedModelError, ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
+
+    check_model_fits(config, model_config)
+    try:
+        check_dataset_source(config.dataset, seq_len=config.seq_len, vocab_size=model_config.vocab_size)
+        if config.eval_dataset is not None:
+            check_dataset_source(config.eval_dataset, key="eval_dataset", seq_len=config.seq_len,
+                                 vocab_size=model_config.vocab_size)
+        check_tokenizer_source(config.tokenizer, model_config.vocab_size)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
+    return model_config
