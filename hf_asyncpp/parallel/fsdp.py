@@ -104,17 +104,16 @@ def gather_whole(tensors: dict[str, torch.Tensor], dtype_of: Callable[[str, torc
     fp32 gather, in a few collectives instead of one per parameter. Casting before the gather gives
     the same values as after it."""
     whole: dict[str, torch.Tensor] = {}
-    by_dtype: dict[torch.dtype, list[tuple[str, DTensor]]] = {}
+    rows = []
     for name, tensor in tensors.items():
         dtype = dtype_of(name, tensor)
         if _is_row_shard(tensor):
-            by_dtype.setdefault(dtype, []).append((name, tensor))
+            rows.append((name, tensor, dtype))
         else:
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # replicated (0-d)
             whole[name] = local.detach().to(dtype)
-    for dtype, sharded in by_dtype.items():
-        for bucket in _buckets(sharded, dtype):
-            whole.update(_gather_rows(bucket, dtype))
+    for dtype, bucket in _buckets(rows):
+        whole.update(_gather_rows(bucket, dtype))
     return {name: whole[name] for name in tensors}
 
 
@@ -126,13 +125,9 @@ def reduce_scatter_rows(sums: dict[str, torch.Tensor], like: dict[str, DTensor],
     `reduce_dtype` says otherwise, as the synchronous stages' FSDP2 policy), by dtype in buckets of
     about BUCKET_BYTES, one reduce-scatter each. Row shards only; anything else is all-reduced by DTensor."""
     reduced: dict[str, DTensor] = {}
-    by_dtype: dict[torch.dtype, list[tuple[str, DTensor]]] = {}
-    for name in sums:
-        if _is_row_shard(like[name]):
-            by_dtype.setdefault(dtype_of(name), []).append((name, like[name]))
-    for dtype, rows in by_dtype.items():
-        for bucket in _buckets(rows, dtype):
-            reduced.update(_reduce_scatter_rows(bucket, sums, scale, dtype))
+    rows = [(name, like[name], dtype_of(name)) for name in sums if _is_row_shard(like[name])]
+    for dtype, bucket in _buckets(rows):
+        reduced.update(_reduce_scatter_rows(bucket, sums, scale, dtype))
     for name in sums:
         if name not in reduced:  # replicated (0-d): an all-reduce
             param = like[name]
@@ -149,18 +144,23 @@ def _is_row_shard(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor) and tensor.placements[0].is_shard(0)
 
 
-def _buckets(sharded: list[tuple[str, DTensor]], dtype: torch.dtype) -> list[list[tuple[str, DTensor]]]:
-    """`sharded` in order, cut where a bucket's whole bytes would pass BUCKET_BYTES (a larger tensor
-    is a bucket of its own)."""
-    buckets: list[list[tuple[str, DTensor]]] = []
-    size = BUCKET_BYTES
-    for name, tensor in sharded:
-        nbytes = tensor.numel() * dtype.itemsize
-        if size + nbytes > BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
-        size += nbytes
+def _buckets(rows: list[tuple[str, DTensor, torch.dtype]]) -> list[tuple[torch.dtype, list[tuple[str, DTensor]]]]:
+    """(dtype, bucket) of the row shards `rows` (name, tensor, the dtype it moves in): grouped by dtype,
+    in order, each group cut where a bucket's whole bytes would pass BUCKET_BYTES (a larger tensor is
+    a bucket of its own)."""
+    by_dtype: dict[torch.dtype, list[tuple[str, DTensor]]] = {}
+    for name, tensor, dtype in rows:
+        by_dtype.setdefault(dtype, []).append((name, tensor))
+    buckets: list[tuple[torch.dtype, list[tuple[str, DTensor]]]] = []
+    for dtype, group in by_dtype.items():
+        size = BUCKET_BYTES
+        for name, tensor in group:
+            nbytes = tensor.numel() * dtype.itemsize
+            if size + nbytes > BUCKET_BYTES:
+                buckets.append((dtype, []))
+                size = 0
+            buckets[-1][1].append((name, tensor))
+            size += nbytes
     return buckets
 
 
