@@ -63,8 +63,9 @@ class PreparedBlocks:
             raise IndexError(f"rows outside [0, {len(self)})")
         which = np.searchsorted(self._starts, rows, side="right") - 1
         gathered = np.empty((len(rows), self.shape[1]), dtype=np.int64)
-        for i, (array, row) in enumerate(zip(which, rows - self._starts[which])):
-            gathered[i] = self._arrays[array][row]
+        for array in np.unique(which):  # one fancy-index read per shard touched
+            mine = which == array
+            gathered[mine] = self._arrays[array][rows[mine] - self._starts[array]]
         return torch.from_numpy(gathered)
 
     def hashes(self) -> torch.Tensor:
