@@ -3,7 +3,10 @@
 Setup: a model (`--model`: a preset or config.json; default "tiny-moe", random init), pp = 2 on 2 gloo
 ranks spawned here, seq_len 128 and micro_batch_size 8 (`--seq-len`, `--micro-batch-size`), one torch
 thread per rank, AdamW, synthetic token rows (same rows for every arm).
-Arms: schedule × m (n_microbatches); two-stage-per-rank schedules (WPipe) cut the model into 2p stages. Each arm runs in fresh processes (so peak RSS is its own) and
+Arms: schedule × m (n_microbatches) × clipping scope (`--clip-scopes`: max_grad_norm 1.0 by the global
+norm, or each asynchronous stage by its own; synchronous schedules clip globally, and an order that
+cannot clip globally, WPipe, runs by stage only); two-stage-per-rank schedules (WPipe) cut the model
+into 2p stages. Each arm runs in fresh processes (so peak RSS is its own) and
 takes --warmup + --steps consecutive optimizer steps without any barrier between them (a barrier
 per step would re-create the bubble an asynchronous schedule removes), plus, for asynchronous
 schedules, the final draining step, which is not measured.
@@ -30,7 +33,8 @@ each number is the median over rounds.
 
     python benchmarks/pipeline_schedules.py [--schedules gpipe,1f1b,pipedream-2bw,wpipe,pipedream]
         [--microbatches 2,4,8] [--steps 8] [--warmup 3] [--model tiny-moe] [--seq-len 128]
-        [--micro-batch-size 8] [--rounds 1] [--out benchmarks/results/pipeline_schedules.json]
+        [--micro-batch-size 8] [--clip-scopes global] [--rounds 1]
+        [--out benchmarks/results/pipeline_schedules.json]
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ def _counted_step(engine, rows, next_rows) -> dict:
     return dict(flops=flops.get_total_flops(), copied_mb=copies.copied / 2**20)
 
 
-def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
+def _rank_main(rank: int, world_size: int, args, schedule: str, m: int, scope: str) -> dict:
     import torch
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.engine import PipelineEngine
@@ -141,7 +145,7 @@ def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
         total = counted + 1 + (0 if synchronous else 1)  # + the draining step
         config = TrainConfig(model_config=args.model, pp_size=PP, schedule=schedule, n_microbatches=m,
                              micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, optimizer="adamw", learning_rate=1e-3,
-                             lr_scheduler_type="constant", max_steps=total, seed=0)
+                             lr_scheduler_type="constant", max_steps=total, seed=0, grad_clip_scope=scope)
         engine = PipelineEngine(config, model_config, layout)
         gen = torch.Generator().manual_seed(1234)
         rows = [torch.randint(0, model_config.vocab_size, (m * args.micro_batch_size, args.seq_len), generator=gen)
@@ -163,17 +167,17 @@ def _rank_main(rank: int, world_size: int, args, schedule: str, m: int) -> dict:
         shutdown_parallel()
 
 
-def _run_arm(args, schedule: str, m: int) -> dict:
+def _run_arm(args, schedule: str, m: int, scope: str) -> dict:
     from hf_asyncpp.metrics import theoretical_bubble
     from hf_asyncpp.parallel.spawn import run_ranks
     from hf_asyncpp.schedules import get_schedule_spec
 
-    ranks = run_ranks(PP, _rank_main, args, schedule, m, timeout_s=900)  # fresh processes per arm
+    ranks = run_ranks(PP, _rank_main, args, schedule, m, scope, timeout_s=900)  # fresh processes per arm
     step_s = [max(ranks[r]["samples"][k][1] for r in range(PP)) for k in range(args.steps)]
     tokens = ranks[0]["samples"][0][2]
     limit_ms = max(r["bubble_free_ms"] for r in ranks)
     return dict(
-        schedule=schedule, n_microbatches=m, tokens_per_step=tokens,
+        schedule=schedule, n_microbatches=m, clip_scope=scope, tokens_per_step=tokens,
         step_ms=1e3 * statistics.mean(step_s),
         step_ms_stdev=1e3 * statistics.stdev(step_s) if len(step_s) > 1 else 0.0,
         tokens_per_s=tokens * len(step_s) / sum(step_s),
@@ -199,7 +203,7 @@ def _median_of_rounds(rounds: list[dict]) -> dict:
     is per rank); the rounds' own results are kept under `rounds`."""
     merged = dict(rounds[0])
     for key, value in rounds[0].items():
-        if key in ("schedule", "n_microbatches", "tokens_per_step", "theoretical_idle", "raw_step_s"):
+        if key in ("schedule", "n_microbatches", "clip_scope", "tokens_per_step", "theoretical_idle", "raw_step_s"):
             continue
         if isinstance(value, list):
             merged[key] = [statistics.median(r[key][i] for r in rounds) for i in range(len(value))]
@@ -210,11 +214,11 @@ def _median_of_rounds(rounds: list[dict]) -> dict:
 
 
 def _print_table(results: list[dict]) -> None:
-    base = {r["n_microbatches"]: r for r in results if r["schedule"] == "1f1b"}
-    print("| schedule | m | step ms | tokens/s | vs 1f1b | bubble-free limit ms | step / limit | idle r0 | idle r1 "
+    base = {r["n_microbatches"]: r for r in results if r["schedule"] == "1f1b"}  # synchronous: clipped globally
+    print("| schedule | m | clipping | step ms | tokens/s | vs 1f1b | bubble-free limit ms | step / limit | idle r0 | idle r1 "
           "| busy ms r0 / r1 | busy vs 1f1b r0 / r1 | slow rank busy / limit | FLOPs vs 1f1b r0 / r1 "
           "| copied MB r0 / r1 | theor. idle | peak RSS MB r0 / r1 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     nan = dict(step_ms=float("nan"), busy_ms_per_rank=[float("nan")] * PP, flops_per_rank=[float("nan")] * PP)
     for r in results:
         ref = base.get(r["n_microbatches"], nan)
@@ -225,7 +229,7 @@ def _print_table(results: list[dict]) -> None:
         rss0, rss1 = r["peak_rss_mb_per_rank"]
         flops0, flops1 = (f / b for f, b in zip(r["flops_per_rank"], ref["flops_per_rank"]))
         copied0, copied1 = r["copied_mb_per_rank"]
-        print(f"| {r['schedule']} | {r['n_microbatches']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
+        print(f"| {r['schedule']} | {r['n_microbatches']} | {r['clip_scope']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
               f"{speedup:.2f}× | {r['bubble_free_ms']:.0f} | {r['step_over_limit']:.3f} | {idle0:.3f} | {idle1:.3f} | "
               f"{busy0:.0f} / {busy1:.0f} | {ratio0:.3f} / {ratio1:.3f} | {r['slow_rank_busy_over_limit']:.3f} | "
               f"{flops0:.3f} / {flops1:.3f} | {copied0:.1f} / {copied1:.1f} | "
@@ -241,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="tiny-moe", help="a preset, a config.json or a model directory")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--clip-scopes", default="global",
+                        help="grad_clip_scope values to run asynchronous schedules with (global, stage)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every arm this many times, arms alternating; report medians over rounds")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
@@ -249,15 +255,23 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--steps must be at least 2, --warmup and --rounds at least 1")
     from hf_asyncpp.schedules import get_schedule_spec
 
-    arms = [(s.strip(), int(m)) for s in args.schedules.split(",") for m in args.microbatches.split(",")]
-    for schedule, m in arms:
+    arms = []
+    for schedule, m in ((s.strip(), int(m)) for s in args.schedules.split(",") for m in args.microbatches.split(",")):
         try:
             spec = get_schedule_spec(schedule)
             spec.check_microbatches(PP, m)
         except ValueError as err:
             parser.error(f"{schedule}, m={m}: {err}")
+        for scope in ["global"] if spec.synchronous else args.clip_scopes.split(","):
+            try:
+                spec.check_microbatches(PP, m, clip_globally=scope == "global")
+            except ValueError:
+                print(f"{schedule}, m={m}: cannot clip by the global norm; run by stage only")
+                scope = "stage"
+            if (schedule, m, scope) not in arms:
+                arms.append((schedule, m, scope))
     start = time.perf_counter()
-    runs = [[_run_arm(args, schedule, m) for schedule, m in arms] for _ in range(args.rounds)]
+    runs = [[_run_arm(args, *arm) for arm in arms] for _ in range(args.rounds)]
     results = [_median_of_rounds([round_[i] for round_ in runs]) for i in range(len(arms))]
     import torch
     import transformers

@@ -103,8 +103,10 @@ class TrainConfig:
     soap_max_precond_dim: int = _key(4096, "SOAP leaves a matrix side longer than this unrotated")
     ef: bool = _key(False, "Error Feedback: apply u + ef_lambda·(u − u_prev) instead of the optimizer's update u")
     ef_lambda: float = _key(1.0, "the Error Feedback weight λ (0 is exactly the plain optimizer)")
-    max_grad_norm: float = _key(1.0, "clip by the L2 norm (global for synchronous schedules, per stage for "
-                                "asynchronous ones); 0 disables")
+    max_grad_norm: float = _key(1.0, "clip the gradient being applied to this L2 norm (see grad_clip_scope); 0 disables")
+    grad_clip_scope: str = _key("global", "global: by the norm over all stages and dp ranks, every schedule; stage: an "
+                                "asynchronous schedule clips each stage by its own norm (its stages never wait for "
+                                "each other's norms)")
     lr_scheduler_type: str = _key("cosine", "any transformers scheduler name: linear, cosine, constant, "
                                   "constant_with_warmup, …")
     lr_scheduler_kwargs: dict | None = _key(None, "the schedule's own arguments (e.g. num_cycles, min_lr)")
@@ -134,6 +136,11 @@ class TrainConfig:
     nonfinite_skip_limit: int = _key(10, "under skip: the run stops at the step that makes more than this many steps "
                                      "skipped")
     comm_timeout_s: float = _key(600.0, "seconds a rank waits for another (dead or stalled) before stopping the run")
+
+    @property
+    def clips_by_global_norm(self) -> bool:
+        """Whether each update is clipped by the global gradient norm (of its update unit, all stages)."""
+        return self.max_grad_norm > 0 and self.grad_clip_scope == "global"
 
     @property
     def rows_per_step(self) -> int:

@@ -122,6 +122,8 @@ def check_settings(config: TrainConfig, world_size: int):
         _require(getattr(config, key) >= 1, f"{key} must be at least 1, got {getattr(config, key)}")
     _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
     _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")
+    _require(config.grad_clip_scope in ("global", "stage"),
+             f"grad_clip_scope must be global or stage, got {config.grad_clip_scope!r}")
     _require(config.router_bias_update_rate >= 0,
              f"router_bias_update_rate must be >= 0, got {config.router_bias_update_rate}")
     _require(config.muon_lr_scale in ("original", "match_rms_adamw"),
@@ -244,11 +246,21 @@ def check_model_fits(config: TrainConfig, model_config) -> None:
     _require(positions is None or config.seq_len <= positions,
              f"seq_len {config.seq_len} exceeds the model's max_position_embeddings ({positions}); "
              "shorten seq_len or use a model config with more positions")
+    _require(not (spec.synchronous and config.grad_clip_scope == "stage"),
+             f"grad_clip_scope stage applies to asynchronous schedules; '{spec.name}' is synchronous and clips by "
+             "the global norm (its stages wait for each other at every step anyway): use grad_clip_scope: global")
     try:
         spec.check_microbatches(depth, config.n_microbatches)
         plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if not spec.synchronous and not emulating and config.clips_by_global_norm:
+        try:  # the updates wait for every stage's norm (schedules/async_order.GlobalClipping)
+            spec.check_microbatches(depth, config.n_microbatches, clip_globally=True)
+        except ValueError as err:
+            raise ConfigError(f"{err}. Clipping by the global norm (max_grad_norm {config.max_grad_norm}, "
+                              "grad_clip_scope global) cannot run this order: set grad_clip_scope: stage to clip "
+                              "each stage by its own norm, or max_grad_norm: 0") from None
 
 
 def validate_config(config: TrainConfig, world_size: int):

@@ -2,9 +2,9 @@
 
 The model is cut into the stages the schedule would have at depth `emulate_pp_size`, and the stages
 run one after another in this process. Each stage's parameters carry that stage's delay in the
-staleness emulator (optim/delay.py), each stage has its own optimizer, LR schedule and gradient
-clipping, and stages update per minibatch or per microbatch as the schedule does. So a researcher
-without a pipeline runs the experiment a pipeline would: PipeDream-2BW (every stage one update
+staleness emulator (optim/delay.py), each stage has its own optimizer and LR schedule, clips by the
+norm of its unit's gradient over all stages as the pipeline does (its own with grad_clip_scope:
+stage), and updates per minibatch or per microbatch as the schedule does. So a researcher without a pipeline runs the experiment a pipeline would: PipeDream-2BW (every stage one update
 stale), WPipe (first half stale, second half fresh) or PipeDream (stage s p−1−s updates stale).
 
 DeepSeek-V3's routing biases follow the rule of their stage's weights (models/routing_bias.py): a
@@ -68,9 +68,11 @@ class _DelayedRoutingBiases:
 
 class EmulatedPipeline:
     def __init__(self, modules, stage_ids: list[int], order, depth: int, n_microbatches: int, updaters: list,
-                 router_bias_update_rate: float = 0.0, dp_group=None):
+                 apply_updates: Callable, router_bias_update_rate: float = 0.0, dp_group=None):
+        """`apply_updates(updaters, steppers)` clips, steps or skips each updater through its stepper
+        (updates.Updates.apply_together) and returns which it applied."""
         self.modules, self.stage_ids, self.order, self.m = modules, stage_ids, order, n_microbatches
-        self.updaters = updaters
+        self.updaters, self.apply_updates = updaters, apply_updates
         delays = [order.delay(stage, depth, n_microbatches) for stage in stage_ids]
         self.emulators = [
             StalenessEmulator(updater.stepper, dict.fromkeys(updater.params, delay))
@@ -94,11 +96,11 @@ class EmulatedPipeline:
     def _forward_backward(self, rows: torch.Tensor, loss_fn: Callable, scale: float) -> None:
         (loss_fn(self.forward(rows), rows) * scale).backward()
 
-    def run_step(self, rows: torch.Tensor, loss_fn: Callable, apply_update: Callable) -> dict[int, int]:
-        """One minibatch: forward/backward on each stage's stale version, then every stage's update
-        (`apply_update(updater, emulator)`, which steps or skips through it and returns whether it
-        applied it), once or after each microbatch, each followed by the stage's routing-bias update
-        when it ends the minibatch. In a sync start's steps the emulators restart after every unit, so
+    def run_step(self, rows: torch.Tensor, loss_fn: Callable) -> dict[int, int]:
+        """One minibatch: forward/backward on each stage's stale version, then every stage's update,
+        clipped by the norm of the unit's gradient over all stages (or each stage's own), once or
+        after each microbatch, each followed by the stage's routing-bias update when it ends the
+        minibatch. In a sync start's steps the emulators restart after every unit, so
         the next starts from the current weights and the delays build up again from the switch.
         Returns the weight-version age per stage."""
         synchronous = self.order.synchronous_step(self.steps_run)
@@ -118,8 +120,8 @@ class EmulatedPipeline:
                     stack.enter_context(biases.stale_biases())
                 for microbatch in unit:
                     self._forward_backward(microbatch, loss_fn, 1.0 / len(unit))
-            for updater, emulator, biases in zip(self.updaters, self.emulators, self.biases):
-                applied = apply_update(updater, emulator)
+            applied_by_stage = self.apply_updates(self.updaters, self.emulators)
+            for applied, biases in zip(applied_by_stage, self.biases):
                 if biases:
                     biases.after_unit(applied, t == len(units) - 1, self.m, self.bias_rate, self.dp_group)
             for history in [*self.emulators, *filter(None, self.biases)] if synchronous else ():

@@ -3,19 +3,18 @@
 A step on one rank: feed the minibatch (first stage) and its labels (last stage) to the schedule,
 which runs forward/backward of n_microbatches microbatches over this rank's stages; average
 gradients over the dp group; clip by the global norm (all stages, all dp ranks); step the optimizer
-and the LR schedule — unless that norm is non-finite: then the update is skipped (resilience.py). The
-minibatch loss is the mean of the microbatch losses (torch's runtime divides gradients by
+and the LR schedule — unless that norm is non-finite: then the update is skipped (updates.py,
+resilience.py). Asynchronous pipelines update each stage when the order says (its REDUCE_GRAD), held
+until the global norm is in where clipping needs it. The minibatch loss is the mean of the microbatch losses (torch's runtime divides gradients by
 n_microbatches), as in gradient accumulation.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -30,9 +29,7 @@ from .models.construct import has_safetensors
 from .models.compile import compile_layers
 from .models.recompute import apply_activation_checkpointing
 from .models.pipeline_loss import PipelineLoss
-from .optim import lr_scheduler_from_config, optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
-from .optim.param_groups import decay_parameter_names
 from .parallel.fsdp import compute_dtype, fully_shard_stage, reduce_dtype, shard_parameters, unshard_parameters
 from .parallel.mesh import ParallelLayout, broadcast_from_first_replica
 from .resilience import NonFiniteGuard, TerminationRequest
@@ -41,6 +38,7 @@ from .schedules.async_order import replay_after
 from .schedules.runtime import build_eval_schedule
 from .schedules.async_runtime import AsyncPipelineSchedule
 from .schedules.weight_versions import VersionedStage
+from .updates import Updater, Updates
 
 __all__ = ["PipelineEngine", "build_full_model"]
 
@@ -51,23 +49,6 @@ def build_full_model(config: TrainConfig, model_config) -> torch.nn.Module:
     if config.init_from:
         return AutoModelForCausalLM.from_pretrained(config.init_from, config=model_config, dtype=torch.float32).train()
     return build_model(model_config, config.seed)
-
-
-class _Updater:
-    """The optimizer and LR schedule of parameters that are updated together (the engine's modules
-    `module_indices`, which hold stages `stages`)."""
-
-    def __init__(self, config: TrainConfig, module_indices: list[int], stages: list[int], modules: list, order):
-        self.module_indices, self.stages = module_indices, stages
-        self.stage = stages[0]
-        named_params = [np for module in modules for np in module.named_parameters()]
-        self.params = [p for _, p in named_params]
-        self.optimizer = optimizer_from_config(config, named_params, decay_parameter_names(modules))
-        # What applies an update: the optimizer, or Error Feedback around it.
-        self.stepper = ErrorFeedback(self.optimizer, config.ef_lambda) if config.ef else self.optimizer
-        # The LR schedule advances once per update: m times a step when stages update per microbatch.
-        per_step = config.n_microbatches if order is not None and order.per_microbatch_updates else 1
-        self.lr_scheduler = lr_scheduler_from_config(config, self.optimizer, per_step)
 
 
 class PipelineEngine:
@@ -118,12 +99,13 @@ class PipelineEngine:
         self.loss_fn = PipelineLoss(model_config.vocab_size, getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
         self.params = [p for module in self.modules for p in module.parameters()]
         # What steps together: each stage on its own for asynchronous schedules (stages update at
-        # different times and clip by their own norm), all local stages at once for synchronous ones.
+        # different times), all local stages at once for synchronous ones.
         groups = [[i] for i in range(len(self.modules))] if order else [list(range(len(self.modules)))]
         self.updaters = [
-            _Updater(config, g, [self.stage_ids[i] for i in g], [self.modules[i] for i in g], order)
+            Updater(config, g, [self.stage_ids[i] for i in g], [self.modules[i] for i in g], order)
             for g in groups
         ]
+        self.updates = Updates(config, layout, self.modules, self.stage_ids, self.fsdp_managed)
         # Asynchronous pipeline: microbatches bound to stashed weight versions (weight_versions.py).
         self.versioned = (
             [VersionedStage(mod, order.n_buffers(s, depth, m), dtype, reduce)
@@ -137,13 +119,13 @@ class PipelineEngine:
         self.timer = ComputeTimer(self.stages)
         timed_loss = self.timer.timed(self.loss_fn)
         self.emulated = EmulatedPipeline(self.modules, self.stage_ids, order, depth, m, self.updaters,
-                                         config.router_bias_update_rate, layout.dp_group) if emulating else None
+                                         self.updates.apply_together, config.router_bias_update_rate,
+                                         layout.dp_group) if emulating else None
         if emulating:
             self.schedule = None
         elif self.versioned:
-            self.schedule = AsyncPipelineSchedule(
-                self.stages, m, timed_loss, order, config.max_steps, update_stage=self._update_stage
-            )
+            self.schedule = AsyncPipelineSchedule(self.stages, m, timed_loss, order, config.max_steps,
+                                                  update_stage=self._update_stage, await_update=self._await_update)
         else:
             self.schedule = build_schedule(self.spec, self.stages, m, timed_loss)
         self._routing_load_counters = [(s, m.routing_load) for s, m in zip(self.stage_ids, self.modules)
@@ -158,12 +140,6 @@ class PipelineEngine:
         self.termination = TerminationRequest()  # the loop installs its SIGTERM handler
         self._awaiting_review: tuple[int, ReducedStepStats] | None = None  # the last step, reviewed at the next
         self._eval_schedule = None  # asynchronous pipelines: a forward-only program, built at the first evaluation
-        # This step's updates: per stage, the squared gradient norm of each, the largest version age,
-        # the updates skipped; the stages whose gradient was non-finite.
-        self._step_sq_norms: dict[int, list[float]] = {}
-        self._step_ages: dict[int, int] = {}
-        self._step_skipped: dict[int, int] = {}
-        self._step_nonfinite_stages: set[int] = set()
         self.step_count = 0
         self.last_step = config.max_steps  # the run's final step count (stop_after may bring it forward)
 
@@ -176,44 +152,35 @@ class PipelineEngine:
         target = rows if self.holds_last_stage else None
         self.schedule.step(*args, target=target, return_outputs=False)  # logits are not kept
 
-    def _apply_update(self, updater: "_Updater", stepper=None) -> bool:
-        """Average gradients over dp, clip, step the optimizer (through `stepper`: the emulator, when
-        emulating) and the LR schedule. A non-finite gradient norm skips the update: weights,
-        optimizer and EF state and the LR schedule stay as they are (the pipeline still publishes its
-        unchanged master as the next version, and the emulator counts one), so the run continues as
-        if this update had never been computed. Returns whether the update was applied."""
-        self._average_gradients_over_dp(updater.params)
-        local_sq, norm = self._gradient_norm(updater)
-        self._step_sq_norms.setdefault(updater.stage, []).append(local_sq)
-        stepper = stepper or updater.stepper
-        if not math.isfinite(norm):
-            for param in updater.params:
-                param.grad = None
-            if hasattr(stepper, "skip"):
-                stepper.skip()
-            for stage in updater.stages:
-                self._step_skipped[stage] = self._step_skipped.get(stage, 0) + 1
-            return False
-        if self.config.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(updater.params, self.config.max_grad_norm,
-                                                 torch.tensor(norm, dtype=torch.float32), foreach=True)
-        stepper.step()
-        updater.lr_scheduler.step()
-        return True
-
-    def _update_stage(self, stage: int, version: int, grad_scale: float) -> None:
-        """One update of local stage `stage` from the gradient taken at weight `version` (called by
-        the asynchronous runtime when the order says the stage's update is due)."""
+    def _update_stage(self, stage: int, unit: int, version: int, grad_scale: float) -> None:
+        """Local stage `stage` has the gradient of update unit `unit`, taken at weight `version`
+        (called by the asynchronous runtime when the order says the stage's update is due): its
+        gradient moves to the master, and the update is applied now or once its global norm is in."""
         index = self.stage_ids.index(stage)
         versioned, updater = self.versioned[index], self.updaters[index]
         versioned.move_gradients_to_master(self.version_buffer(stage, version), grad_scale)
-        self._step_ages[stage] = max(self._step_ages.get(stage, 0), versioned.master_version - version)
-        # The update is written in the buffer of the next version (weight_versions.py).
+        self.updates.ages[stage] = max(self.updates.ages.get(stage, 0), versioned.master_version - version)
+        self.updates.post(index, unit, updater, lambda norm: self._apply_stage_update(index, norm))
+
+    def _await_update(self, stage: int, unit: int) -> None:
+        """The asynchronous runtime needs stage `stage`'s update of `unit` (and those before) applied."""
+        self.updates.complete(self.stage_ids.index(stage), through_unit=unit)
+
+    def _apply_stage_update(self, index: int, norm: float) -> None:
+        """Step local stage `index` clipped by `norm`, into the buffer of its next version (written
+        there, weight_versions.py), with the minibatch's routing-bias update; its gradient is freed."""
+        versioned, updater, stage = self.versioned[index], self.updaters[index], self.stage_ids[index]
         next_buffer = self.version_buffer(stage, versioned.master_version + 1)
         versioned.bind_master(next_buffer)
-        applied = self._apply_update(updater)
+        applied = self.updates.step(updater, norm)
         self._update_routing_biases(index, versioned.master_version, applied)
         versioned.publish_master(next_buffer)
+        updater.optimizer.zero_grad(set_to_none=True)
+
+    def settle_updates(self) -> None:
+        """Apply every update still held for its global norm (collective: call on every rank before
+        reading the weights or their state — a checkpoint, an evaluation, the export)."""
+        self.updates.complete_all()
 
     def version_buffer(self, stage: int, version: int) -> int:
         """The buffer that holds weight version `version` of asynchronous stage `stage`."""
@@ -228,45 +195,13 @@ class PipelineEngine:
             ends_minibatch = not self.spec.order.per_microbatch_updates or unit % m == m - 1
             counter.after_update(applied, ends_minibatch, m, self.config.router_bias_update_rate, self.layout.dp_group)
 
-    def _average_gradients_over_dp(self, params: list[torch.nn.Parameter]) -> None:
-        if self.layout.dp_size == 1 or self.fsdp_managed:  # FSDP reduce-scattered and averaged them
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.layout.dp_group)
-        flat /= self.layout.dp_size
-        for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
-            p.grad = synced
-
-    def _gradient_norm(self, updater: "_Updater") -> tuple[float, float]:
-        """(this rank's squared gradient norm, the L2 norm to clip by and to judge finiteness by);
-        records the stages whose gradient is non-finite. dp replicas hold the same averaged gradients.
-        Synchronous schedules take the global norm over all stages, so every rank decides alike; the
-        asynchronous ones each stage's own norm, since a pipeline-wide norm would make every stage
-        wait for the others at every step, which is the bubble they exist to remove."""
-        local_sq = torch.zeros((), dtype=torch.float64)
-        for index in updater.module_indices:
-            grads = [p.grad for p in self.modules[index].parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-            if isinstance(norm, DTensor):  # sharded gradients: the norm over all dp shards
-                norm = norm.full_tensor()
-            stage_sq = norm.double().cpu() ** 2
-            if not torch.isfinite(stage_sq):
-                self._step_nonfinite_stages.add(self.stage_ids[index])
-            local_sq = local_sq + stage_sq
-        total_sq = local_sq
-        if self.spec.synchronous and self.layout.pp_size > 1:
-            total_sq = local_sq.to(self.layout.device).clone()
-            dist.all_reduce(total_sq, group=self.layout.pp_group)
-        return local_sq.item(), total_sq.sqrt().item()
-
     def train_step(self, rows: torch.Tensor, next_rows: torch.Tensor | None = None) -> StepResult:
         """One optimizer step on minibatch `rows`. Asynchronous schedules on a pipeline also forward
         into the next minibatch: pass its rows as `next_rows` (None on the last step, which drains)."""
         start = time.perf_counter()
         self.timer.take()  # drop compute time of anything run since the last step (e.g. evaluation)
-        self._step_sq_norms, self._step_ages, self._step_skipped, self._step_nonfinite_stages = {}, {}, {}, set()
-        for updater in self.updaters:
+        self.updates.start_step()
+        for updater in () if self.versioned else self.updaters:  # a versioned stage frees its gradient as it updates
             updater.optimizer.zero_grad(set_to_none=True)
         synchronous = not (self.versioned or self.emulated)  # which update routing biases here, per step
         for _, counter in self._routing_load_counters if synchronous else ():
@@ -275,7 +210,7 @@ class PipelineEngine:
         # Weight-version age: updates between the weights a gradient was taken at and those it updates.
         rows = rows.to(self.layout.device, non_blocking=True)  # pinned rows (data/prefetch.py) overlap compute
         if self.emulated:  # one process, no pipeline: all of the step is compute
-            self._step_ages = self.emulated.run_step(rows, self.loss_fn, self._apply_update)
+            self.updates.ages = self.emulated.run_step(rows, self.loss_fn)
             busy = time.perf_counter() - start
         elif self.versioned:
             # Stages update inside the segment, when their update is due (see _update_stage).
@@ -284,23 +219,24 @@ class PipelineEngine:
         else:
             self.run_microbatches(rows)
             busy = self.timer.take()
-            self._apply_update(self.updaters[0])
-            self._step_ages = dict.fromkeys(self.stage_ids, 0)
+            self.updates.apply_synchronous(self.updaters[0])
+            self.updates.ages = dict.fromkeys(self.stage_ids, 0)
         for stage, counter in self._routing_load_counters if synchronous else ():
-            if stage not in self._step_skipped:  # a skipped minibatch leaves the routing biases too
+            if stage not in self.updates.skipped:  # a skipped minibatch leaves the routing biases too
                 counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
         self.step_count += 1
         step_time = time.perf_counter() - start
         # Per stage the mean over its updates in this step (m of them with per-microbatch updates).
-        grad_sq_norm = sum(sum(norms) / len(norms) for norms in self._step_sq_norms.values())
+        updates = self.updates
+        grad_sq_norm = sum(sum(norms) / len(norms) for norms in updates.sq_norms.values())
         replica = self.layout.dp_rank == 0  # dp replicas hold the same gradients: one reports them
         reduced = ReducedStepStats(
             self.loss_fn.take(self.config.n_microbatches), self.layout, len(self.plan),
             grad_sq_norm=grad_sq_norm if replica else None,
             idle_fraction=idle_fraction(busy, step_time),
-            version_age_by_stage=self._step_ages if replica else {},
-            nonfinite_grad_stages=self._step_nonfinite_stages if replica else (),
-            skipped_by_stage=self._step_skipped if replica else {},
+            version_age_by_stage=updates.ages if replica else {},
+            nonfinite_grad_stages=updates.nonfinite_stages if replica else (),
+            skipped_by_stage=updates.skipped if replica else {},
             termination_requested=self.termination.requested,
         )
         self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]
@@ -340,6 +276,7 @@ class PipelineEngine:
         """Wait for every step's statistics reduction and in-flight send, and review the last step
         (call before tearing down process groups). A run stopped between steps of an asynchronous
         pipeline (SIGTERM) passes `wait_for_sends=False`: its last sends feed steps that never run."""
+        self.settle_updates()
         if self.versioned and wait_for_sends:
             self.schedule.finish()
         for reduced in self._unfinished:
@@ -363,6 +300,7 @@ class PipelineEngine:
         if 0 < self.step_count < self.last_step and not self._units_end_at_step_boundaries():
             raise RuntimeError(f"{self.spec.name} straddles its updates across step boundaries: some stages have "
                                "applied the last minibatch and others not, so only the final weights can be evaluated")
+        self.settle_updates()  # the masters: every update posted so far
         if self._eval_schedule is None:
             # Its own stages, loss and process group: the training runtime's state and its messages
             # in flight are untouched (NCCL would match an evaluation receive to a training send).
@@ -419,6 +357,7 @@ class PipelineEngine:
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters and persistent buffers under their HF names, whole (sharded
         parameters are gathered over dp: call on every rank)."""
+        self.settle_updates()
         state = {}
         for module in self.modules:
             state.update({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()

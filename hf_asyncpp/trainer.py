@@ -19,8 +19,8 @@ metric, callbacks' states; `TrainerState.load_from_json` reads it); `save_model`
 (output_dir/final unless told otherwise), pushed as Trainer pushes (push_to_hub, hub_strategy end /
 every_save, hub_revision), and the card describes what was really done (pretraining
 from scratch, the optimizer, the schedule). Gradient clipping is by the global norm over all stages
-and dp ranks for synchronous schedules; asynchronous ones clip each stage by its own norm (a
-pipeline-wide norm would make every stage wait for all others each step).
+and dp ranks (updates.py), or each asynchronous stage's own with the pipeline config's
+`grad_clip_scope: stage`.
 """
 
 from __future__ import annotations

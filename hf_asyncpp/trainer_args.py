@@ -48,7 +48,7 @@ HONOURED = {
     "adam_epsilon": "ε of AdamW, SOAP and Muon's AdamW part",
     "average_tokens_across_devices": "no effect: every microbatch holds the same number of tokens (packed "
                                      "blocks), so the token mean is the mean of the microbatch means",
-    "max_grad_norm": "by the global norm (synchronous schedules) or each stage's own (asynchronous)",
+    "max_grad_norm": "by the global norm over all stages (or each asynchronous stage's own: grad_clip_scope)",
     "bf16": "bf16 compute, fp32 master weights, optimizer state and gradient sums",
     "tf32": "set by TrainingArguments (GPUs)",
     "activation_checkpointing": "every decoder layer recomputed in the backward",

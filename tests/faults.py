@@ -24,7 +24,7 @@ import torch
 
 import hf_asyncpp.models.pipeline_loss as pipeline_loss
 from hf_asyncpp import run
-from hf_asyncpp.engine import PipelineEngine
+from hf_asyncpp.updates import Updates
 
 
 def plant_poison(token: int):
@@ -106,19 +106,19 @@ def kill_in_save(n: int) -> None:
 
 
 def drop_update(k: int) -> None:
-    original = PipelineEngine._apply_update
+    original = Updates.step
     counts: dict[int, int] = {}
 
-    def apply_unless_kth(self, updater, stepper=None):
+    def apply_unless_kth(self, updater, norm, stepper=None):
         n = counts[id(updater)] = counts.get(id(updater), -1) + 1
         if n != k:
-            return original(self, updater, stepper)
+            return original(self, updater, norm, stepper)
         for param in updater.params:
             param.grad = None
         if hasattr(stepper, "skip"):
             stepper.skip()
 
-    PipelineEngine._apply_update = apply_unless_kth
+    Updates.step = apply_unless_kth
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ BAD_INPUTS = {
     "unknown reduction dtype": (["--grad_reduce_dtype", "fp16"], 2, "unknown grad_reduce_dtype 'fp16'; choose fp32 or compute"),
     "unknown checkpointing": (["--activation_checkpointing", "some"], 2,
                               "unknown activation_checkpointing 'some'; choose none, full, selective"),
-    "checkpoints of WPipe": (["--schedule", "wpipe", "--save_steps", "10", "--model_config", "tiny-mixtral"], 2,
+    "checkpoints of WPipe": (["--schedule", "wpipe", "--grad_clip_scope", "stage", "--save_steps", "10",
+                              "--model_config", "tiny-mixtral"], 2,
                              "checkpoints are not supported for schedule 'wpipe': .*applied on some stages"),
     "checkpoints of the emulator": (["--schedule", "pipedream-2bw", "--pp_size", "1", "--save_steps", "10"], 1,
                                     "emulated schedule 'pipedream-2bw' \\(pp_size 1\\) are not supported"),
@@ -98,7 +99,7 @@ BAD_INPUTS = {
                                                    "seq_len 1000000 exceeds the model's max_position_embeddings"),
     "evaluation without an evaluation set": (["--eval_steps", "10"], 2, "no evaluation set: set eval_fraction > 0"),
     "mid-run evaluation of a schedule whose updates straddle steps": (
-        ["--schedule", "wpipe", "--eval_fraction", "0.1", "--eval_steps", "2"], 2,
+        ["--schedule", "wpipe", "--grad_clip_scope", "stage", "--eval_fraction", "0.1", "--eval_steps", "2"], 2,
         "evaluations during training .* are not supported for schedule 'wpipe'"),
     "negative save_steps": (["--save_steps", "-1"], 2, "save_steps must be >= 0"),
     "sync start of a synchronous schedule": (["--schedule", "gpipe", "--sync_steps", "2"], 2,
@@ -119,6 +120,13 @@ BAD_INPUTS = {
     "a schedule stepped by a metric": (["--lr_scheduler_type", "reduce_lr_on_plateau"], 2,
                                        "stepped by an evaluation metric is not supported"),
     "negative epsilon": (["--adam_epsilon", "-1e-8"], 2, "adam_epsilon must be >= 0"),
+    "unknown clipping scope": (["--grad_clip_scope", "layer"], 2, "grad_clip_scope must be global or stage, got 'layer'"),
+    "clipping WPipe by the global norm": (
+        ["--schedule", "wpipe", "--model_config", "tiny-mixtral"], 2,
+        "rank 0, step .*: deadlock: 2F.* waits forever for the global gradient norm of update unit 0, which stage 0 "
+        "has not posted.*set grad_clip_scope: stage to clip each stage by its own norm, or max_grad_norm: 0"),
+    "per-stage clipping of a synchronous schedule": (["--schedule", "1f1b", "--grad_clip_scope", "stage"], 2,
+                                                     "grad_clip_scope stage applies to asynchronous schedules"),
 }
 
 

@@ -20,8 +20,11 @@ MoE families are held to the emulator in tests/test_engine_async.py.
 
 The pipeline runs on 2 and 4 gloo ranks with the same initial weights (handed in as the model) and
 explicit stage boundaries, so the reference knows which stage a parameter belongs to without asking
-the project. Clipping is off: with it, the rule adds "each stage clips by its own norm", a different
-statement to check (and one that is to become a global norm). Tolerance 1e-5 on every weight and
+the project. Clipping is off in the rules' tests, and the subject of its own: the stale gradient
+being applied is clipped by its norm over the whole model (grad_clip_scope global; 2BW and PipeDream),
+or each stage's part by its own norm (stage; WPipe, which cannot clip globally). Those run SGD with
+momentum, where a clipping factor changes the update in proportion (AdamW nearly divides it out).
+Tolerance 1e-5 on every weight and
 per-step loss: both sides are fp32 and run the same kernels on the same microbatches (fused AdamW,
 as the engine), and are seen equal bit for bit here; a different summation order (other thread
 counts, foreach AdamW) moves them by ~1e-7 per update, which AdamW amplifies in tiny second moments
@@ -46,6 +49,8 @@ TOL = 1e-5
 SEQ, MBS, M, STEPS = 16, 2, 4, 6
 PRESET = "tiny-llama"  # dense: see the module docstring
 LR, BETAS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 0.01
+# Clipping's tests: a norm below every gradient's (0.7 to 2.3 here), so every update is clipped.
+CLIPPED_SGD = dict(lr=0.1, momentum=0.9, max_norm=0.2)
 
 
 def _initial_model():
@@ -68,9 +73,10 @@ def _boundaries(n_stages: int) -> list[int]:
     return [8 * s // n_stages for s in range(1, n_stages)]
 
 
-def _pipeline(rank, world_size, schedule, n_stages, sync_steps=0, emulate_depth=0):
+def _pipeline(rank, world_size, schedule, n_stages, sync_steps=0, emulate_depth=0, clip=None):
     """The engine on `world_size` ranks (one pipeline; on one rank the emulator at `emulate_depth`):
-    per-step losses, final weights and version ages (on rank 0)."""
+    per-step losses, final weights and version ages (on rank 0). `clip`: (scope, max_grad_norm),
+    with SGD (CLIPPED_SGD); None: AdamW, no clipping."""
     from hf_asyncpp.checkpoint import gather_full_state_dict
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.engine import PipelineEngine
@@ -80,9 +86,12 @@ def _pipeline(rank, world_size, schedule, n_stages, sync_steps=0, emulate_depth=
     layout = init_parallel(read_launch(), world_size)
     try:
         model = _initial_model()
-        config = TrainConfig(model_config=PRESET, pp_size=world_size, schedule=schedule, optimizer="adamw",
-                             learning_rate=LR, momentum=BETAS[0], beta2=BETAS[1], weight_decay=WEIGHT_DECAY,
-                             max_grad_norm=0.0, lr_scheduler_type="constant", seq_len=SEQ, micro_batch_size=MBS,
+        optimizer = dict(optimizer="adamw", learning_rate=LR, momentum=BETAS[0], beta2=BETAS[1], max_grad_norm=0.0)
+        if clip is not None:
+            optimizer = dict(optimizer="sgd", learning_rate=CLIPPED_SGD["lr"], momentum=CLIPPED_SGD["momentum"],
+                             grad_clip_scope=clip[0], max_grad_norm=clip[1])
+        config = TrainConfig(model_config=PRESET, pp_size=world_size, schedule=schedule, **optimizer,
+                             weight_decay=WEIGHT_DECAY, lr_scheduler_type="constant", seq_len=SEQ, micro_batch_size=MBS,
                              n_microbatches=M, max_steps=STEPS, stage_boundaries=_boundaries(n_stages),
                              sync_steps=sync_steps, emulate_pp_size=emulate_depth)
         engine = PipelineEngine(config, model.config, layout, model=model)
@@ -96,10 +105,12 @@ def _pipeline(rank, world_size, schedule, n_stages, sync_steps=0, emulate_depth=
         shutdown_parallel()
 
 
-def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int = 0):
+def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int = 0, clip=None):
     """The written rule on the unsplit HF model with torch.optim.AdamW: each unit's gradient is taken
     on a copy holding every parameter at the version its stage's delay says, then applied to the
-    current weights. Returns (per-step mean LM losses, final named parameters)."""
+    current weights. `clip` (scope, max_grad_norm): torch.optim.SGD instead, the gradient clipped
+    first by torch's clip_grad_norm_ over the whole model ("global") or over each stage's part
+    ("stage"). Returns (per-step mean LM losses, final named parameters)."""
     import torch
     from transformers import Trainer
 
@@ -118,7 +129,13 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
     decayed = set(Trainer.get_decay_parameter_names(None, current))
     groups = [dict(params=[p for n, p in current.named_parameters() if (n in decayed) == decay],
                    weight_decay=WEIGHT_DECAY if decay else 0.0) for decay in (True, False)]
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=True)
+    if clip is None:
+        optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=True)
+    else:
+        optimizer = torch.optim.SGD(groups, lr=CLIPPED_SGD["lr"], momentum=CLIPPED_SGD["momentum"], foreach=True)
+    scope, max_norm = clip or ("global", 0.0)
+    clipped_together = [[p for n, p in current.named_parameters() if scope == "global" or stage_of(n) == s]
+                        for s in range(1 if scope == "global" else n_stages)]
     history = [{n: p.detach().clone() for n, p in current.named_parameters()}]  # history[v]: after v updates
     units_per_step = M if per_microbatch else 1
     losses = []
@@ -140,6 +157,8 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
                 lm += (out.loss - coef * getattr(out, "aux_loss", 0.0)).item() / M
             for p, q in zip(current.parameters(), stale.parameters()):
                 p.grad = q.grad.clone()
+            for params in clipped_together if max_norm else ():
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
             optimizer.step()
             history.append({n: p.detach().clone() for n, p in current.named_parameters()})
         losses.append(lm)
@@ -218,3 +237,26 @@ def test_sync_start_runs_synchronous_steps_then_the_delayed_rule_and_the_emulato
         assert emulated[2] == ages
     for name, value in pipeline[1].items():
         assert (torch.tensor(emulated[1][name]) - torch.tensor(value)).abs().max().item() < TOL, name
+
+
+CLIPPING = {  # (schedule, pp size, stages, the delay of stage s, per-microbatch updates, scope, the other scope)
+    "pipedream-2bw, pp 2": ("pipedream-2bw", 2, 2, lambda s: 1, False, "global", "stage"),
+    "pipedream-2bw, pp 4": ("pipedream-2bw", 4, 4, lambda s: 1, False, "global", "stage"),
+    "pipedream, pp 2": ("pipedream", 2, 2, lambda s: 1 - s, True, "global", "stage"),
+    "pipedream-2bw by stage, pp 2": ("pipedream-2bw", 2, 2, lambda s: 1, False, "stage", "global"),
+    "wpipe by stage, pp 2": ("wpipe", 2, 4, lambda s: 1 if s < 2 else 0, False, "stage", "global"),
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", sorted(CLIPPING))
+def test_clipping_scales_the_applied_gradient_by_the_norm_its_scope_says(case):
+    """max_grad_norm below every gradient's norm: the delayed gradient being applied is scaled by
+    max_grad_norm / its norm over the whole model (global), or each stage's part by its own (stage),
+    as torch's clip_grad_norm_ does on the unsplit model. Wrong rule: the other scope."""
+    schedule, pp_size, n_stages, delay, per_microbatch, scope, other = CLIPPING[case]
+    max_norm = CLIPPED_SGD["max_norm"]
+    pipeline = next(r for r in run_ranks(pp_size, _pipeline, schedule, n_stages, 0, 0, (scope, max_norm)) if r)
+    rule = replay(n_stages, delay, per_microbatch, clip=(scope, max_norm))
+    other_scope = replay(n_stages, delay, per_microbatch, clip=(other, max_norm))
+    _check(pipeline, rule, other_scope)

@@ -142,6 +142,7 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, run_state
 
     final = Path(output_dir) / f"{PREFIX}{step}"
     staging = final.with_name(final.name + ".partial")
+    engine.settle_updates()  # updates held for their global norm: a resume replays none of their units
     state = training_state(engine, layout.rank)
     try:
         failure, position = None, None

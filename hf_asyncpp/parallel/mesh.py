@@ -41,6 +41,9 @@ class ParallelLayout:
     # training's messages are in flight, and NCCL matches messages by order alone, so the two
     # programs never share a channel.
     eval_pp_group: object = None
+    # And a third time: asynchronous stages all-reduce their gradient norms (global clipping) while
+    # P2P messages are in flight; on the pipeline's group they would queue in NCCL's order among them.
+    norm_pp_group: object = None
 
     @property
     def pp_group(self):
@@ -92,8 +95,9 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
                                 timeout=timeout)
     pp_rank, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, pp_size)
     mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
-    eval_pp_group, _ = dist.new_subgroups_by_enumeration(
-        [[p * dp_size + d for p in range(pp_size)] for d in range(dp_size)], timeout=timedelta(seconds=timeout_s))
+    replicas = [[p * dp_size + d for p in range(pp_size)] for d in range(dp_size)]
+    eval_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timedelta(seconds=timeout_s))
+    norm_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timedelta(seconds=timeout_s))
     if backend == "nccl":
         # batch_isend_irecv needs every rank of a group in the group's first operation (a pipeline's
         # first batch involves two ranks): start both pipeline groups' communicators together now.
@@ -111,6 +115,7 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         mesh=mesh,
         io_group=io_group,
         eval_pp_group=eval_pp_group,
+        norm_pp_group=norm_pp_group,
     )
 
 

@@ -12,7 +12,9 @@ microbatches forwarded in step k are backwarded in step k + 1:
   - before each forward the stage's `VersionedStage` is bound to the version buffer the order
     assigns to that microbatch; autograd keeps the binding for the backward;
   - a stage's update is the program's REDUCE_GRAD action, run after the batch that sends the
-    backward's gradient on;
+    backward's gradient on; clipping by the global norm may hold it (updates.py), and the runtime
+    asks for it where `GlobalClipping` says it is needed: before the stage's first forward on the
+    version it makes, and before the stage's next update;
   - sends are never waited for within a step (a send whose receiver is in its next step would tie
     the two ranks' steps together); at the end of step k those of steps ≤ k − 2 are (a receive is
     posted at most one step after its send), so no more than two steps of sent tensors are kept, and
@@ -29,7 +31,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 
-from .async_order import AsyncOrder, SegmentPrograms, replay_after
+from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, replay_after
 from .comm_plan import is_compute
 from .runtime import ProgramRuntime
 from .weight_versions import VersionedStage
@@ -43,10 +45,13 @@ SENDS_KEPT_FOR_STEPS = 2
 
 class AsyncPipelineSchedule(ProgramRuntime):
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, order: AsyncOrder,
-                 n_steps: int, update_stage: Callable[[int, int, float], None]):
-        """`update_stage(stage_index, version, grad_scale)` is called when a stage's update is due:
-        after the backward of a minibatch's last microbatch (grad_scale 1/m), or after every backward
-        for per-microbatch orders (grad_scale 1); `version` is the one the gradient was taken at."""
+                 n_steps: int, update_stage: Callable[[int, int, int, float], None],
+                 await_update: Callable[[int, int], None]):
+        """`update_stage(stage_index, unit, version, grad_scale)` is called when a stage's update is
+        due: after the backward of a minibatch's last microbatch (grad_scale 1/m), or after every
+        backward for per-microbatch orders (grad_scale 1); `unit` is the update unit, `version` the
+        one the gradient was taken at. `await_update(stage_index, unit)`: the stage's updates up to
+        `unit` must have been applied now."""
         self.pp_size = stages[0].group_size
         self.n_slots = order.n_slots(self.pp_size, n_microbatches)
         super().__init__(stages, self.n_slots, loss_fn, scale_grads=False)
@@ -56,7 +61,8 @@ class AsyncPipelineSchedule(ProgramRuntime):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
             stage.forward_one_chunk = self._bound_forward(stage, stage.forward_one_chunk)
         self.register_custom_function(REDUCE_GRAD, self._apply_due_update)
-        self.update_stage = update_stage
+        self.update_stage, self.await_update = update_stage, await_update
+        self.clipping = GlobalClipping(order, self.pp_size, n_microbatches)
         self._slot_owner: dict[tuple[int, int], int] = {}  # (stage, slot) → global microbatch
         self._losses: dict[int, torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}  # minibatch index → its rows, while it may be forwarded
@@ -84,7 +90,9 @@ class AsyncPipelineSchedule(ProgramRuntime):
         versioned: VersionedStage = stage.submod
 
         def forward_on_version(chunk_id, *args, **kwargs):
-            version = self._version_of(stage.stage_index, self._slot_owner[(stage.stage_index, chunk_id)])
+            j = self._slot_owner[(stage.stage_index, chunk_id)]
+            self._await_for(_Action(stage.stage_index, FORWARD, j))
+            version = self._version_of(stage.stage_index, j)
             versioned.active = self.order.buffer(stage.stage_index, self.pp_size, version, self.m)
             return forward(chunk_id, *args, **kwargs)
 
@@ -94,7 +102,13 @@ class AsyncPipelineSchedule(ProgramRuntime):
         """REDUCE_GRAD of stage s after the backward of global microbatch j: the stage's update."""
         s, j = action.stage_index, action.microbatch_index
         grad_scale = 1.0 if self.order.per_microbatch_updates else 1.0 / self.m
-        self.update_stage(s, self._version_of(s, j), grad_scale)
+        self._await_for(action)
+        self.update_stage(s, self.clipping.unit_posted(action), self._version_of(s, j), grad_scale)
+
+    def _await_for(self, action: _Action) -> None:
+        unit = self.clipping.unit_awaited(action)
+        if unit is not None:
+            self.await_update(action.stage_index, unit)
 
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
         if stage.is_last and self._loss_fn is not None:

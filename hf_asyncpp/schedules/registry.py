@@ -13,7 +13,7 @@ from functools import partial
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
-from .async_order import AsyncOrder, SegmentPrograms, check_versions
+from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, check_versions
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW
 from .sync_start import SyncStart
 from .validate import ScheduleError, check_schedule
@@ -59,19 +59,21 @@ class ScheduleSpec:
         never look at a token."""
         return bool({0, self.n_stages(pp_size) - 1} & set(self.stage_indices(pp_size, rank)))
 
-    def actions(self, pp_size: int, n_microbatches: int) -> ComputeActions:
+    def actions(self, pp_size: int, n_microbatches: int, clip_globally: bool = False) -> ComputeActions:
         """The compute lists, checked in one process with the communication the runtime posts for
         them (validate.py); raises ScheduleError or ValueError.
 
         For an asynchronous schedule: VALIDATION_STEPS steps of its continuous order (global
-        microbatch ids), each segment planned as its runtime plans it, and its weight versions."""
+        microbatch ids), each segment planned as its runtime plans it, and its weight versions;
+        `clip_globally`: with its updates waiting for global gradient norms (async_order.GlobalClipping)."""
         if self.order is None:
             actions = self.make_actions(pp_size, n_microbatches)
             check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches)
             return actions
         actions = self.order.stream(pp_size, n_microbatches, VALIDATION_STEPS)
+        clipping = GlobalClipping(self.order, pp_size, n_microbatches) if clip_globally else None
         check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches * VALIDATION_STEPS,
-                       plan=partial(self.programs, pp_size, n_microbatches, VALIDATION_STEPS))
+                       plan=partial(self.programs, pp_size, n_microbatches, VALIDATION_STEPS), clipping=clipping)
         check_versions(self.order, pp_size, n_microbatches, VALIDATION_STEPS)
         return actions
 
@@ -82,12 +84,13 @@ class ScheduleSpec:
         plan = SegmentPrograms(self.order, pp_size, n_microbatches, n_steps, stage_to_rank, n_stages)
         return {r: [e for k in range(n_steps) for e in plan.program(r, k)] + [None] for r in range(pp_size)}
 
-    def check_microbatches(self, pp_size: int, n_microbatches: int) -> None:
-        """Raise ValueError when this schedule cannot run n_microbatches on pp_size ranks."""
+    def check_microbatches(self, pp_size: int, n_microbatches: int, clip_globally: bool = False) -> None:
+        """Raise ValueError when this schedule cannot run n_microbatches on pp_size ranks (pipelined:
+        `clip_globally` when its updates clip by the global norm)."""
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be at least 1, got {n_microbatches}")
         try:
-            self.actions(pp_size, n_microbatches)
+            self.actions(pp_size, n_microbatches, clip_globally)
         except (ValueError, ScheduleError) as err:
             first_line = str(err).strip().splitlines()[0]
             raise ValueError(

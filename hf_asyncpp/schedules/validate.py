@@ -16,6 +16,10 @@ runtime executes) and plays every rank's program against the others under NCCL's
     waits for the batch holding its receive, a `None` entry for every send its rank posted;
   - data dependencies: a send only after the compute that produces it; stage s forwards microbatch i
     only after stage s−1 did, backwards it only after stage s+1 did;
+  - global clipping (`clipping`, async_order.GlobalClipping): a forward on a new version, or a
+    stage's next update, waits until every stage has posted the gradient norm of the update unit
+    it needs; the norms are all-reduced on a group of their own, one per update, so every rank must
+    post them for the same units in the same order (one stage per rank);
   - the play must finish: otherwise a deadlock, with what each stuck rank waits for.
 Any failure raises `ScheduleError` with the rank × time table, the offending step marked.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
@@ -31,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD,
     RECV_B,
     RECV_F,
+    REDUCE_GRAD,
     SEND_B,
     SEND_F,
     _Action,
@@ -40,6 +46,9 @@ from torch.distributed.pipelining.schedules import (
 
 from .actions import ComputeActions
 from .comm_plan import P2PBatch, PlanError, Program, is_compute, matching_receive, peer_of, plan_program
+
+if TYPE_CHECKING:
+    from .async_order import GlobalClipping
 
 __all__ = ["ScheduleError", "check_program", "check_schedule"]
 
@@ -74,11 +83,13 @@ def _check_indices_and_repeats(actions: ComputeActions, n_stages: int, n_microba
 
 
 def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_microbatches: int,
-                   plan: Callable[[Callable[[int], int]], Program] | None = None, streams: str = "pair") -> Program:
+                   plan: Callable[[Callable[[int], int]], Program] | None = None, streams: str = "pair",
+                   clipping: "GlobalClipping | None" = None) -> Program:
     """Validate, plan and play; returns the per-rank programs.
 
     `plan(stage_to_rank)` gives the programs to play; default: one flushed step of `actions`
-    (comm_plan.plan_program), each rank waiting for its sends at the end, as the runtime does."""
+    (comm_plan.plan_program), each rank waiting for its sends at the end, as the runtime does.
+    `clipping`: the programs' updates wait for global gradient norms (see check_program)."""
     _check_indices_and_repeats(actions, n_stages, n_microbatches)
     try:
         stage_to_rank = _validate_schedule(actions, pp_size, n_stages, n_microbatches)
@@ -91,7 +102,7 @@ def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_micro
             program = plan(stage_to_rank.__getitem__)
     except PlanError as err:
         raise ScheduleError(f"{err}\n\n{_format_pipeline_order(actions)}") from None
-    check_program(program, stage_to_rank.__getitem__, n_stages, streams)
+    check_program(program, stage_to_rank.__getitem__, n_stages, streams, clipping)
     return program
 
 
@@ -103,7 +114,8 @@ class _Batch:
         self.complete = False
 
 
-def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str = "pair") -> None:
+def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str = "pair",
+                  clipping: "GlobalClipping | None" = None) -> None:
     """Play every rank's program under NCCL's rules (see the module docstring); raise ScheduleError."""
     if streams not in ("pair", "rank"):
         raise ValueError(f"streams must be 'pair' or 'rank', got {streams!r}")
@@ -116,6 +128,14 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
     done_forward: set[tuple[int, int]] = set()
     done_backward: set[tuple[int, int]] = set()
     position = {r: 0 for r in program}
+    norms_posted: dict[int, set[int]] = {}  # global clipping: update unit → stages that posted its norm
+    units_posted: dict[int, list[int]] = {r: [] for r in program}  # per rank, in posting order
+
+    def norm_missing(action: _Action) -> tuple[int, list[int]] | None:
+        """(the unit, the stages yet to post its norm) when `action` waits for a global norm."""
+        unit = clipping.unit_awaited(action) if clipping else None
+        missing = [s for s in range(n_stages) if s not in norms_posted.get(unit, ())] if unit is not None else []
+        return (unit, missing) if missing else None
 
     def post(rank: int, step: int, batch: P2PBatch) -> None:
         peers = [peer_of(op, stage_to_rank) for op in batch.ops]
@@ -160,9 +180,17 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
         if isinstance(entry, P2PBatch):
             post(rank, step, entry)
             return True
-        if not is_compute(entry) and entry.sub_actions is None:
-            return True  # local work: (un)shard, gradient reduction, an optimizer update
+        if not is_compute(entry) and entry.sub_actions is None:  # local work: (un)shard, an update
+            if clipping and entry.computation_type == REDUCE_GRAD:
+                if norm_missing(entry):
+                    return False
+                unit = clipping.unit_posted(entry)
+                norms_posted.setdefault(unit, set()).add(entry.stage_index)
+                units_posted[rank].append(unit)
+            return True
         for action in entry.sub_actions or (entry,):
+            if norm_missing(action):
+                return False
             receive = needed_receive(action)
             if receive is not None:
                 batch = receive_batch.get((rank, receive))
@@ -226,12 +254,20 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
     if stuck:
         rank, step = next(iter(stuck.items()))
         waiting = program[rank][step]
-        what = "waiting for its sends to be received" if waiting is None else f"{waiting} waits"
+        what = "waiting for its sends to be received forever" if waiting is None else f"{waiting} waits forever"
+        norm = norm_missing(waiting) if isinstance(waiting, _Action) else None
+        if norm:
+            what += (f" for the global gradient norm of update unit {norm[0]}, which stage{'s' * (len(norm[1]) > 1)} "
+                     f"{', '.join(map(str, norm[1]))} {'have' if len(norm[1]) > 1 else 'has'} not posted")
         blocked = [f"rank {b.rank}: {b.batch} ({'started' if started(b) else 'queued behind an earlier batch'})"
                    for b in open_batches]
-        _fail(f"deadlock: {what} forever; unfinished batches: " + "; ".join(blocked), program, rank, step)
+        _fail(f"deadlock: {what}; unfinished batches: " + "; ".join(blocked), program, rank, step)
     unpaired = sorted(f"{channel}: {len(sends.get(channel, []))} sends, {len(receives.get(channel, []))} receives"
                       for channel in set(sends) | set(receives)
                       if len(sends.get(channel, [])) != len(receives.get(channel, [])))
     if unpaired:
         raise ScheduleError(f"sends and receives do not pair up: {unpaired}")
+    orders = {tuple(units) for units in units_posted.values()}
+    if clipping and (len(orders) > 1 or any(len(set(u)) < len(u) for u in units_posted.values())):
+        raise ScheduleError("global clipping all-reduces one norm per update on every rank, in the same order: the "
+                            f"ranks post the norms of units {dict(units_posted)}; it needs one stage per rank")

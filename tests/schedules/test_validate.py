@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import (
     _Action,
 )
 
-from hf_asyncpp.schedules import SCHEDULES, ScheduleError, check_schedule
+from hf_asyncpp.schedules import SCHEDULES, ScheduleError, check_schedule, get_schedule_spec
 from hf_asyncpp.schedules.actions import gpipe_actions, one_f_one_b_actions
 from hf_asyncpp.schedules.comm_plan import P2PBatch
 from hf_asyncpp.schedules.validate import check_program
@@ -383,3 +383,49 @@ def test_rejects_a_send_posted_before_its_compute():
 def test_rejects_unpaired_sends():
     with pytest.raises(ScheduleError, match=r"sends and receives do not pair up: \['\(0, 1\): 2 sends, 1 receives'\]"):
         play({0: "0F0 0SEND_F0 0RECV_B0 0B0 0SEND_F0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"})
+
+
+# --- clipping by the global norm (async_order.GlobalClipping) -----------------------------------
+
+
+def test_under_global_clipping_a_forward_awaits_the_update_its_version_needs_and_an_update_its_predecessor():
+    """2BW's minibatch k runs on x(k − 1), the weights after unit k − 2's update; PipeDream's
+    microbatch j on stage s of 4 on x(j − (3 − s)); an update waits for the stage's previous one."""
+    from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
+
+    from hf_asyncpp.schedules.async_order import GlobalClipping
+    from hf_asyncpp.schedules.pipedream import PIPEDREAM, PIPEDREAM_2BW
+
+    two_bw = GlobalClipping(PIPEDREAM_2BW, 2, 4)
+    assert [two_bw.unit_awaited(_Action(1, FORWARD, j)) for j in range(0, 16, 4)] == [None, None, 0, 1]
+    assert [two_bw.unit_awaited(_Action(0, REDUCE_GRAD, j)) for j in (3, 7, 11)] == [None, 0, 1]
+    assert two_bw.unit_posted(_Action(0, REDUCE_GRAD, 11)) == 2
+    pipedream = GlobalClipping(PIPEDREAM, 4, 4)
+    assert [pipedream.unit_awaited(_Action(s, FORWARD, 5)) for s in range(4)] == [1, 2, 3, 4]
+    assert pipedream.unit_awaited(_Action(3, FORWARD, 0)) is None
+
+
+@pytest.mark.parametrize("schedule, pp_size, n_microbatches, sync_steps",
+                         [("pipedream-2bw", 2, 4, 0), ("pipedream-2bw", 4, 4, 0), ("pipedream-2bw", 8, 8, 0),
+                          ("pipedream-2bw", 4, 2, 0), ("pipedream-2bw", 2, 4, 2), ("pipedream", 4, 4, 0),
+                          ("pipedream", 2, 2, 2)])
+def test_one_stage_per_rank_orders_clip_globally_without_deadlock(schedule, pp_size, n_microbatches, sync_steps):
+    """Played under NCCL's rules with every held update waiting for all stages' norms."""
+    spec = get_schedule_spec(schedule).starting_synchronously(sync_steps)
+    spec.actions(pp_size, n_microbatches, clip_globally=True)
+
+
+def test_wpipe_cannot_clip_globally_its_second_group_would_wait_for_its_own_rank():
+    """WPipe's second group (delay 0) needs unit k's update before its first forward of k + 1, which
+    on rank 0 comes before rank 0's own first-group backward of k: the norm it waits for is its own."""
+    with pytest.raises(ScheduleError, match="rank 0, step 20: deadlock: 2F2 waits forever for the global gradient "
+                                            "norm of update unit 0, which stage 0 has not posted"):
+        get_schedule_spec("wpipe").actions(2, 2, clip_globally=True)
+    get_schedule_spec("wpipe").actions(2, 2)  # per-stage clipping: nothing waits
+
+
+def test_global_norms_are_refused_where_a_rank_would_post_two_per_update():
+    """One all-reduce per update and rank: two stages on a rank would pair one stage's norm on one
+    rank with the other stage's on the next (here WPipe's synchronous steps, which do not deadlock)."""
+    with pytest.raises(ScheduleError, match="it needs one stage per rank"):
+        get_schedule_spec("wpipe").starting_synchronously(2).actions(2, 4, clip_globally=True)

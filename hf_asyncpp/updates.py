@@ -1,0 +1,171 @@
+"""From accumulated gradients to an update: dp averaging, the gradient norm, clipping, the optimizer
+step — or its skip, when the norm is non-finite (the weights, optimizer and EF state and the LR
+schedule then stay as they are).
+
+`max_grad_norm` clips by the global norm over all stages and dp ranks (`grad_clip_scope: global`):
+the same rule for every schedule. A synchronous step all-reduces the stages' squared norms at once
+(its stages wait for each other anyway). Emulated stages run in one process and sum theirs. A stage
+of an asynchronous pipeline posts its squared norm (an all-reduce on a group of its own, which no
+P2P message queues behind) and holds the update, gradient kept, until the runtime needs it: before
+the stage's first forward on the version it makes, or before the stage's next update
+(schedules/async_order.GlobalClipping says when). PipeDream-2BW's one-step delay leaves every
+stage the time for the others' norms to arrive; the cost is one more gradient copy per stage while
+an update is held. `grad_clip_scope: stage` clips each asynchronous stage by its own norm instead,
+and applies its update at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .config import TrainConfig
+from .optim import lr_scheduler_from_config, optimizer_from_config
+from .optim.error_feedback import ErrorFeedback
+from .optim.param_groups import decay_parameter_names
+
+__all__ = ["Updater", "Updates"]
+
+
+class Updater:
+    """The optimizer and LR schedule of parameters that are updated together (the engine's modules
+    `module_indices`, which hold stages `stages`)."""
+
+    def __init__(self, config: TrainConfig, module_indices: list[int], stages: list[int], modules: list, order):
+        self.module_indices, self.stages = module_indices, stages
+        self.stage = stages[0]
+        named_params = [np for module in modules for np in module.named_parameters()]
+        self.params = [p for _, p in named_params]
+        self.optimizer = optimizer_from_config(config, named_params, decay_parameter_names(modules))
+        # What applies an update: the optimizer, or Error Feedback around it.
+        self.stepper = ErrorFeedback(self.optimizer, config.ef_lambda) if config.ef else self.optimizer
+        # The LR schedule advances once per update: m times a step when stages update per microbatch.
+        per_step = config.n_microbatches if order is not None and order.per_microbatch_updates else 1
+        self.lr_scheduler = lr_scheduler_from_config(config, self.optimizer, per_step)
+
+
+class _Held:
+    """An update held until its global norm is in: the all-reduce of the squared norm of `unit`, and
+    what applies the update once the norm is known."""
+
+    def __init__(self, unit: int, squared: torch.Tensor, work, apply: Callable[[float], None]):
+        self.unit, self.squared, self.work, self.apply = unit, squared, work, apply
+
+
+class Updates:
+    """Applies this rank's updates, and records what a step reports of them: per stage the squared
+    gradient norm of each update, the largest version age, the updates skipped; the stages whose
+    gradient was non-finite."""
+
+    def __init__(self, config: TrainConfig, layout, modules: list, stage_ids: list[int], gradients_averaged: bool):
+        """`gradients_averaged`: FSDP has averaged the gradients over dp already (reduce-scatter)."""
+        self.max_norm, self.layout, self.modules, self.stage_ids = config.max_grad_norm, layout, modules, stage_ids
+        self.global_norm = config.clips_by_global_norm
+        self.gradients_averaged = gradients_averaged or layout.dp_size == 1
+        self._held: dict[int, _Held] = {}  # local module index → its held update
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.sq_norms: dict[int, list[float]] = {}
+        self.ages: dict[int, int] = {}
+        self.skipped: dict[int, int] = {}
+        self.nonfinite_stages: set[int] = set()
+
+    # --- the three ways to a norm ----------------------------------------------------------------
+
+    def apply_synchronous(self, updater: Updater) -> bool:
+        """A synchronous step: the norm over this rank's stages and, all-reduced, the pipeline's."""
+        squared = torch.tensor(self._prepare(updater), dtype=torch.float64)
+        if self.layout.pp_size > 1:
+            squared = squared.to(self.layout.device)
+            dist.all_reduce(squared, group=self.layout.pp_group)
+        return self.step(updater, squared.sqrt().item())
+
+    def apply_together(self, updaters: list[Updater], steppers: list) -> list[bool]:
+        """Stages emulated in one process, each through its own stepper: clipped by the norm of all of
+        them (or each by its own); returns which were applied."""
+        squared = [self._prepare(updater) for updater in updaters]
+        norms = [math.sqrt(sum(squared))] * len(updaters) if self.global_norm else [math.sqrt(s) for s in squared]
+        return [self.step(u, norm, stepper) for u, norm, stepper in zip(updaters, norms, steppers)]
+
+    def post(self, index: int, unit: int, updater: Updater, apply: Callable[[float], None]) -> None:
+        """A stage of an asynchronous pipeline has the gradient of `unit`: `apply(norm)` now with its
+        own norm, or, clipping globally, once the pipeline's norm is in (`complete`)."""
+        if index in self._held:
+            raise RuntimeError(f"stage {self.stage_ids[index]} posts unit {unit} while unit "
+                               f"{self._held[index].unit} is still held: complete it first")
+        squared = self._prepare(updater)
+        if not (self.global_norm and self.layout.pp_size > 1):
+            apply(math.sqrt(squared))
+            return
+        if len(self.modules) > 1:  # config_checks refuses it first, naming the order's deadlock
+            raise RuntimeError("clipping by the global norm all-reduces one norm per update on each rank: it needs "
+                               "one stage per rank (grad_clip_scope: stage clips each stage by its own)")
+        total = torch.tensor([squared], dtype=torch.float64, device=self.layout.device)
+        work = dist.all_reduce(total, group=self.layout.norm_pp_group, async_op=True)
+        self._held[index] = _Held(unit, total, work, apply)
+
+    def complete(self, index: int, through_unit: int | None = None) -> None:
+        """Apply local module `index`'s held update (if it is of a unit <= `through_unit`), waiting for
+        its norm."""
+        held = self._held.get(index)
+        if held is None or (through_unit is not None and held.unit > through_unit):
+            return
+        del self._held[index]
+        held.work.wait()
+        held.apply(held.squared.sqrt().item())
+
+    def complete_all(self) -> None:
+        """Apply every held update (collective: before anything reads the weights or their state)."""
+        for index in sorted(self._held):
+            self.complete(index)
+
+    # --- the update --------------------------------------------------------------------------------
+
+    def _prepare(self, updater: Updater) -> float:
+        """Average the gradients over dp; this rank's squared norm of them (recorded per stage, and
+        the stages whose gradient is non-finite). dp replicas then hold the same gradient."""
+        if not self.gradients_averaged:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in updater.params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.layout.dp_group)
+            flat /= self.layout.dp_size
+            for p, synced in zip(updater.params, torch._utils._unflatten_dense_tensors(flat, grads)):
+                p.grad = synced
+        squared = torch.zeros((), dtype=torch.float64)
+        for index in updater.module_indices:
+            grads = [p.grad for p in self.modules[index].parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+            if isinstance(norm, DTensor):  # sharded gradients: the norm over all dp shards
+                norm = norm.full_tensor()
+            stage_squared = norm.double().cpu() ** 2
+            if not torch.isfinite(stage_squared):
+                self.nonfinite_stages.add(self.stage_ids[index])
+            squared = squared + stage_squared
+        self.sq_norms.setdefault(updater.stage, []).append(squared.item())
+        return squared.item()
+
+    def step(self, updater: Updater, norm: float, stepper=None) -> bool:
+        """Clip to max_grad_norm by `norm` and step the optimizer (through `stepper`: the emulator's,
+        when emulating) and the LR schedule; a non-finite `norm` skips the update (the pipeline still
+        publishes its unchanged master as the next version, and the emulator counts one). Returns
+        whether the update was applied."""
+        stepper = stepper or updater.stepper
+        if not math.isfinite(norm):
+            for param in updater.params:
+                param.grad = None
+            if hasattr(stepper, "skip"):
+                stepper.skip()
+            for stage in updater.stages:
+                self.skipped[stage] = self.skipped.get(stage, 0) + 1
+            return False
+        if self.max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(updater.params, self.max_norm,
+                                                 torch.tensor(norm, dtype=torch.float32), foreach=True)
+        stepper.step()
+        updater.lr_scheduler.step()
+        return True
