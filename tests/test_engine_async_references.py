@@ -239,12 +239,13 @@ def test_sync_start_runs_synchronous_steps_then_the_delayed_rule_and_the_emulato
         assert (torch.tensor(emulated[1][name]) - torch.tensor(value)).abs().max().item() < TOL, name
 
 
-CLIPPING = {  # (schedule, pp size, stages, the delay of stage s, per-microbatch updates, scope, the other scope)
-    "pipedream-2bw, pp 2": ("pipedream-2bw", 2, 2, lambda s: 1, False, "global", "stage"),
-    "pipedream-2bw, pp 4": ("pipedream-2bw", 4, 4, lambda s: 1, False, "global", "stage"),
-    "pipedream, pp 2": ("pipedream", 2, 2, lambda s: 1 - s, True, "global", "stage"),
-    "pipedream-2bw by stage, pp 2": ("pipedream-2bw", 2, 2, lambda s: 1, False, "stage", "global"),
-    "wpipe by stage, pp 2": ("wpipe", 2, 4, lambda s: 1 if s < 2 else 0, False, "stage", "global"),
+CLIPPING = {  # (schedule, sync_steps, pp size, stages, the delay of stage s, per-microbatch updates, scope, the other)
+    "pipedream-2bw, pp 2": ("pipedream-2bw", 0, 2, 2, lambda s: 1, False, "global", "stage"),
+    "pipedream-2bw, pp 4": ("pipedream-2bw", 0, 4, 4, lambda s: 1, False, "global", "stage"),
+    "pipedream-2bw after 2 synchronous steps, pp 2": ("pipedream-2bw", 2, 2, 2, lambda s: 1, False, "global", "stage"),
+    "pipedream, pp 2": ("pipedream", 0, 2, 2, lambda s: 1 - s, True, "global", "stage"),
+    "pipedream-2bw by stage, pp 2": ("pipedream-2bw", 0, 2, 2, lambda s: 1, False, "stage", "global"),
+    "wpipe by stage, pp 2": ("wpipe", 0, 2, 4, lambda s: 1 if s < 2 else 0, False, "stage", "global"),
 }
 
 
@@ -254,9 +255,9 @@ def test_clipping_scales_the_applied_gradient_by_the_norm_its_scope_says(case):
     """max_grad_norm below every gradient's norm: the delayed gradient being applied is scaled by
     max_grad_norm / its norm over the whole model (global), or each stage's part by its own (stage),
     as torch's clip_grad_norm_ does on the unsplit model. Wrong rule: the other scope."""
-    schedule, pp_size, n_stages, delay, per_microbatch, scope, other = CLIPPING[case]
+    schedule, sync_steps, pp_size, n_stages, delay, per_microbatch, scope, other = CLIPPING[case]
     max_norm = CLIPPED_SGD["max_norm"]
-    pipeline = next(r for r in run_ranks(pp_size, _pipeline, schedule, n_stages, 0, 0, (scope, max_norm)) if r)
-    rule = replay(n_stages, delay, per_microbatch, clip=(scope, max_norm))
-    other_scope = replay(n_stages, delay, per_microbatch, clip=(other, max_norm))
+    pipeline = next(r for r in run_ranks(pp_size, _pipeline, schedule, n_stages, sync_steps, 0, (scope, max_norm)) if r)
+    rule = replay(n_stages, delay, per_microbatch, sync_steps, clip=(scope, max_norm))
+    other_scope = replay(n_stages, delay, per_microbatch, sync_steps, clip=(other, max_norm))
     _check(pipeline, rule, other_scope)

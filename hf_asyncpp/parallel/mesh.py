@@ -100,8 +100,9 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
     norm_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timedelta(seconds=timeout_s))
     if backend == "nccl":
         # batch_isend_irecv needs every rank of a group in the group's first operation (a pipeline's
-        # first batch involves two ranks): start both pipeline groups' communicators together now.
-        for group in (mesh.get_group("pp"), eval_pp_group):
+        # first batch involves two ranks): start the pipeline groups' communicators together now (the
+        # norm group's too, so its first all-reduce, mid-step, does not set one up).
+        for group in (mesh.get_group("pp"), eval_pp_group, norm_pp_group):
             dist.barrier(group=group)
     io_group = dist.new_group(backend="gloo", timeout=max(IO_TIMEOUT, timedelta(seconds=timeout_s)))
     return ParallelLayout(
