@@ -116,7 +116,7 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
     training = {k: getattr(config, k) for k in (
         "schedule", "n_microbatches", "micro_batch_size", "seq_len", "optimizer", "learning_rate",
         "lr_scheduler_type", "warmup_steps", "momentum", "beta2", "weight_decay", "ef", "ef_lambda",
-        "max_grad_norm", "fsdp")}
+        "max_grad_norm", "grad_clip_scope", "fsdp")}
     training.update(
         asynchronous=not spec.synchronous, schedule_description=spec.description, pp_size=pp_size,
         dp_size=dp_size, steps=last_record.get("step", 0), tokens=last_record.get("num_input_tokens_seen", 0),
