@@ -261,3 +261,15 @@ def test_clipping_scales_the_applied_gradient_by_the_norm_its_scope_says(case):
     rule = replay(n_stages, delay, per_microbatch, sync_steps, clip=(scope, max_norm))
     other_scope = replay(n_stages, delay, per_microbatch, sync_steps, clip=(other, max_norm))
     _check(pipeline, rule, other_scope)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("depth", [2, 4])
+def test_the_emulator_clips_by_the_global_norm_at_any_depth(depth):
+    """One process emulating 2BW at depth 2 or 4 (its stages chained, each with its own optimizer)
+    clips each update by the norm over all of them, as the written rule and the pipeline do."""
+    max_norm = CLIPPED_SGD["max_norm"]
+    emulated = run_ranks(1, _pipeline, "pipedream-2bw", depth, 0, depth, ("global", max_norm))[0]
+    rule = replay(depth, lambda s: 1, False, clip=("global", max_norm))
+    by_stage = replay(depth, lambda s: 1, False, clip=("stage", max_norm))
+    _check(emulated, rule, by_stage)
