@@ -1,9 +1,10 @@
 """Studies: grids of training runs over optimizer × delay mode × Error Feedback × momentum × depth ×
 seed, with a results table and figures (`hf-asyncpp study <study.yaml>`).
 
-Two phases, as the reference study ran them: each optimizer with several learning rates first picks
-the one whose synchronous run (first seed, first momentum) ends with the lowest validation loss; then
-every arm runs with its optimizer's pick, delayed arms with the learning rate tuned for sync, unchanged.
+Two phases, as the reference study ran them: each optimizer with several learning rates first picks,
+for each momentum value, the one whose synchronous run (first seed) ends with the lowest validation
+loss (tuning.json records the trials and picks); then every arm runs with the pick of its optimizer
+and momentum, delayed arms with the learning rate tuned for sync, unchanged.
 The grid format is in grid.py, how arms run in runner.py, the table in results.py, the figures in
 figures.py.
 """
@@ -19,40 +20,73 @@ from .grid import Arm, Study, StudyError, load_study
 from .results import collect_arms, results_rows, write_results
 from .runner import arm_dir, check_arms, run_arms
 
-__all__ = ["Arm", "Study", "StudyError", "load_study", "report", "run_study"]
+__all__ = ["Arm", "Study", "StudyError", "load_study", "read_chosen", "report", "run_study"]
 
 logger = get_logger(__name__)
 
 
-def _choose_learning_rates(study: Study, log) -> dict[str, float]:
+TUNING = "tuning.json"
+
+
+def _tuning_record(trials: dict, chosen: dict) -> dict:
+    """tuning.json: every trial and every pick, one entry per (optimizer, momentum[, learning rate])."""
+    return {"format": 2,
+            "trials": [dict(optimizer=o, momentum=m, learning_rate=lr, eval_loss=loss)
+                       for (o, m), t in trials.items() for lr, loss in t.items()],
+            "chosen": [dict(optimizer=o, momentum=m, learning_rate=lr) for (o, m), lr in chosen.items()]}
+
+
+def read_chosen(study: Study) -> dict[tuple[str, float], float]:
+    """The learning rate of each (optimizer, momentum) that tuning.json records; without tuning.json,
+    each optimizer's first candidate. A tuning.json of the format before per-momentum tuning
+    ({"chosen": {optimizer: lr}}, tuned at the first momentum and used at all of them, as those arms
+    ran) gives that learning rate to every momentum value of the optimizer."""
+    path = study.output_dir / TUNING
+    chosen = study.first_learning_rates()
+    if not path.is_file():
+        return chosen
+    record = json.loads(path.read_text())
+    if isinstance(record.get("chosen"), dict):  # the format before per-momentum tuning
+        for optimizer, lr in record["chosen"].items():
+            chosen.update({(optimizer, m): float(lr) for m in study.momentums})
+        return chosen
+    if record.get("format") != 2 or not isinstance(record.get("chosen"), list):
+        raise StudyError(f"{path}: not a tuning record this version reads; delete it to tune again "
+                         "(finished tuning arms are not rerun)")
+    for entry in record["chosen"]:
+        chosen[(entry["optimizer"], float(entry["momentum"]))] = float(entry["learning_rate"])
+    return chosen
+
+
+def _choose_learning_rates(study: Study, log) -> dict[tuple[str, float], float]:
+    """Run the tuning arms (those finished are skipped) and pick, per (optimizer, momentum), the
+    learning rate with the lowest final validation loss; written to tuning.json."""
     tuning = study.tuning_arms()
-    chosen = {opt: lrs[0] for opt, lrs in study.learning_rates.items()}
+    chosen = study.first_learning_rates()
     if not tuning:
         return chosen
     log(f"study: tuning learning rates on {len(tuning)} sync arms")
     outcomes = run_arms(study, tuning, log)
-    trials = {}
+    trials: dict[tuple[str, float], dict[float, float]] = {}
     for arm in tuning:
+        trials.setdefault((arm.optimizer, arm.momentum), {})
         if outcomes[arm.name] != "failed":
             loss = json.loads((arm_dir(study, arm) / "arm.json").read_text())["final_eval"]["eval_loss"]
-            trials.setdefault(arm.optimizer, {})[arm.learning_rate] = loss
-    for optimizer in {a.optimizer for a in tuning}:
-        if not trials.get(optimizer):
-            raise StudyError(f"every learning-rate trial of {optimizer} failed (see {study.output_dir / 'arms'})")
-        chosen[optimizer] = min(trials[optimizer], key=trials[optimizer].get)
-    (study.output_dir / "tuning.json").write_text(json.dumps(
-        {"trials": {o: {str(lr): loss for lr, loss in t.items()} for o, t in trials.items()}, "chosen": chosen},
-        indent=1))
-    log("study: learning rates: " + ", ".join(f"{o} {lr:g}" for o, lr in chosen.items()))
+            trials[(arm.optimizer, arm.momentum)][arm.learning_rate] = loss
+    for (optimizer, momentum), losses in trials.items():
+        if not losses:
+            raise StudyError(f"every learning-rate trial of {optimizer} at momentum {momentum:g} failed "
+                             f"(see {study.output_dir / 'arms'})")
+        chosen[(optimizer, momentum)] = min(losses, key=losses.get)
+    (study.output_dir / TUNING).write_text(json.dumps(_tuning_record(trials, chosen), indent=1))
+    log("study: learning rates: " + ", ".join(f"{o} (momentum {m:g}) {lr:g}" for (o, m), lr in chosen.items()))
     return chosen
 
 
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     """Table and figures from the finished arms (the ones in the grid; tuning-only arms are left out)."""
     records = collect_arms(study.output_dir / "arms")
-    chosen = json.loads((study.output_dir / "tuning.json").read_text())["chosen"] \
-        if (study.output_dir / "tuning.json").is_file() else {o: lrs[0] for o, lrs in study.learning_rates.items()}
-    in_grid = {a.name for a in study.arms(chosen)}
+    in_grid = {a.name for a in study.arms(read_chosen(study))}
     records = [r for r in records if Arm.from_record(r).name in in_grid]
     rows = results_rows(records)
     return write_results(study.output_dir, rows, records, failed or []) + write_figures(study.output_dir, rows, records)
@@ -62,7 +96,7 @@ def run_study(path: str | Path, log=logger.info) -> list[Path]:
     """Run (or continue) a study and write its report; returns the files written."""
     study = load_study(path)
     # Every arm's config is checked before anything runs (with each optimizer's first learning rate).
-    check_arms(study, study.tuning_arms() + study.arms({o: lrs[0] for o, lrs in study.learning_rates.items()}))
+    check_arms(study, study.tuning_arms() + study.arms(study.first_learning_rates()))
     study.output_dir.mkdir(parents=True, exist_ok=True)
     chosen = _choose_learning_rates(study, log)
     arms = study.arms(chosen)

@@ -3,7 +3,8 @@
 - loss_curves.png: per optimizer, the training loss (seed mean, smoothed) of every mode, EF on/off;
 - gap_bars.png: per optimizer, the gap to sync of each delayed mode, without and with EF;
 - gap_vs_momentum.png: the gap of the main delayed mode against momentum, one line per optimizer;
-- gap_vs_depth.png: PipeDream's and PipeDream-2BW's gap against pipeline depth (EF off).
+- gap_vs_depth.png: PipeDream's and PipeDream-2BW's gap against pipeline depth (EF off; sync-start modes
+  left out).
 
 A figure whose axis the grid does not vary is not drawn.
 """
@@ -93,6 +94,8 @@ def _gap_vs(plt, rows, out: Path, axis: str) -> Path | None:
     else:
         momentum0 = min((r["momentum"] for r in delayed), default=None)
         for r in delayed:
+            if "+sync" in r["mode"]:
+                continue  # sync start: its own mode, not a point of the depth trend
             schedule, depth = r["mode"].split("@")
             if schedule in ("pipedream", "pipedream-2bw") and r["momentum"] == momentum0:
                 lines[f"{r['optimizer']} {schedule}"].append((int(depth), r["gap"], r["gap_std"]))

@@ -5,18 +5,27 @@
     base: {max_steps: 300, eval_fraction: 0.05}   # keys every arm sets on top of it
     optimizers:                             # learning rates per optimizer: with several, the sync arms
       adamw: [1.0e-3, 3.0e-3]               # of the first seed pick the best (lowest final validation
-      muon: [2.0e-2]                        # loss), and every arm of that optimizer uses it
-    modes: [sync, pipedream-2bw, pipedream-2bw@4, pipedream@2, pipedream@4, wpipe]   # schedule[@depth]
+      muon: [2.0e-2]                        # loss) for each momentum value, and every arm of that
+                                            # optimizer and momentum uses it
+    modes: [sync, pipedream-2bw, pipedream-2bw@4, pipedream@2, wpipe, pipedream-2bw@2+sync50]
     depth: 2                                # of modes written without @ (and sync arms with launch: pipeline)
     ef: [0, 1.0]                            # Error Feedback λ for delayed modes (0: off)
-    momentum: [0.9]                         # momentum / beta1
+    momentum: [0.9, 0.95]                   # momentum / beta1
     seeds: [0, 1]
     launch: emulator                        # emulator (one process per arm) or pipeline (torchrun, depth ranks)
     parallel: 2                             # arms run at a time
     output_dir: outputs/study_cpu           # relative to the working directory
 
+A mode is `sync` or `schedule[@depth][+syncN]`. `+syncN` is the sync-start baseline: the first N steps
+run synchronously, then the schedule's delays begin (the `sync_steps` config key); it is a mode of its
+own in the results, compared with the sync arm like any delayed mode. N must be below max_steps.
+
 An arm is one (optimizer, mode, EF λ, momentum, learning rate, seed). `sync` arms ignore EF (there is
-no delay to correct). Every name is checked before anything runs.
+no delay to correct). Learning rates are chosen per (optimizer, momentum): `Study.tuning_arms()` are
+the sync arms of the first seed at every candidate learning rate and every momentum value (none for an
+optimizer with one candidate), and `Study.arms(chosen)` gives every arm of an (optimizer, momentum) pair
+the learning rate `chosen[(optimizer, momentum)]` (or `chosen[optimizer]` for all its momentum values).
+Every name is checked before anything runs.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import yaml
 
@@ -48,6 +58,7 @@ class Arm:
     momentum: float
     learning_rate: float
     seed: int
+    sync_steps: int = 0  # sync start: the first N steps synchronous (0: delayed from the start)
 
     @classmethod
     def from_record(cls, record: dict) -> "Arm":
@@ -60,13 +71,18 @@ class Arm:
 
     @property
     def mode(self) -> str:
-        """The delay mode without optimizer, EF and seed: `sync`, `pipedream-2bw@2`, …"""
-        return "sync" if self.synchronous else f"{self.schedule}@{self.depth}"
+        """The delay mode without optimizer, EF and seed: `sync`, `pipedream-2bw@2`, `pipedream-2bw@2+sync100`, …"""
+        if self.synchronous:
+            return "sync"
+        return f"{self.schedule}@{self.depth}" + (f"+sync{self.sync_steps}" if self.sync_steps else "")
 
     @property
     def name(self) -> str:
+        """Its directory's name. Arms without sync start keep the names they had before sync start existed
+        (a rerun finds finished arms by name)."""
         ef = f"-ef{self.ef_lambda:g}" if self.ef_lambda else ""
-        return f"{self.optimizer}-{self.mode.replace('@', '-p')}{ef}-m{self.momentum:g}-lr{self.learning_rate:g}-s{self.seed}"
+        mode = self.mode.replace("@", "-p").replace("+sync", "-sync")
+        return f"{self.optimizer}-{mode}{ef}-m{self.momentum:g}-lr{self.learning_rate:g}-s{self.seed}"
 
     def overrides(self, launch: str) -> dict:
         """Config keys this arm sets (on top of the study's base)."""
@@ -77,6 +93,8 @@ class Arm:
                         emulate_pp_size=0 if self.synchronous else self.depth)
         else:
             keys.update(pp_size=self.depth, schedule="1f1b" if self.synchronous else self.schedule)
+        if self.sync_steps:
+            keys["sync_steps"] = self.sync_steps
         return keys
 
 
@@ -87,7 +105,7 @@ class Study:
     base_config: Path
     base: dict
     learning_rates: dict[str, list[float]]  # per optimizer, in the file's order
-    modes: list[tuple[str, int]]  # (schedule or "sync", depth)
+    modes: list[tuple[str, int, int]]  # (schedule or "sync", depth, sync_steps)
     ef_lambdas: list[float]
     momentums: list[float]
     seeds: list[int]
@@ -97,22 +115,38 @@ class Study:
     threads_per_arm: int = 1
     output_dir: Path = field(default_factory=lambda: Path("outputs/study"))
 
-    def arms(self, chosen_lr: dict[str, float]) -> list[Arm]:
-        """Every arm, with each optimizer at its chosen learning rate."""
+    def first_learning_rates(self) -> dict[tuple[str, float], float]:
+        """Each (optimizer, momentum) at its first candidate learning rate: the pick without tuning."""
+        return {(opt, momentum): lrs[0] for opt, lrs in self.learning_rates.items() for momentum in self.momentums}
+
+    def learning_rate(self, chosen_lr: Mapping, optimizer: str, momentum: float) -> float:
+        """The learning rate `chosen_lr` gives (optimizer, momentum): keyed by the pair, or by the
+        optimizer alone for all its momentum values."""
+        if (optimizer, momentum) in chosen_lr:
+            return chosen_lr[(optimizer, momentum)]
+        if optimizer in chosen_lr:
+            return chosen_lr[optimizer]
+        raise StudyError(f"no learning rate chosen for {optimizer} at momentum {momentum:g}")
+
+    def arms(self, chosen_lr: Mapping) -> list[Arm]:
+        """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`)."""
         arms = []
-        for optimizer, (schedule, depth), momentum, seed in itertools.product(
+        for optimizer, (schedule, depth, sync_steps), momentum, seed in itertools.product(
                 self.learning_rates, self.modes, self.momentums, self.seeds):
             if schedule == "sync" and self.launch == "pipeline":
                 depth = self.depth  # a 1F1B pipeline as deep as the delayed arms: the same numerics as one rank
+            lr = self.learning_rate(chosen_lr, optimizer, momentum)
             for ef in ([0.0] if schedule == "sync" else self.ef_lambdas):
-                arms.append(Arm(optimizer, schedule, depth, ef, momentum, chosen_lr[optimizer], seed))
+                arms.append(Arm(optimizer, schedule, depth, ef, momentum, lr, seed, sync_steps))
         return arms
 
     def tuning_arms(self) -> list[Arm]:
-        """The sync arms (first momentum, first seed) that choose each optimizer's learning rate."""
+        """The sync arms (first seed, every momentum value) that choose each (optimizer, momentum)'s
+        learning rate; none for an optimizer with a single candidate."""
         depth = self.depth if self.launch == "pipeline" else 1
-        return [Arm(opt, "sync", depth, 0.0, self.momentums[0], lr, self.seeds[0])
-                for opt, lrs in self.learning_rates.items() if len(lrs) > 1 for lr in lrs]
+        return [Arm(opt, "sync", depth, 0.0, momentum, lr, self.seeds[0])
+                for opt, lrs in self.learning_rates.items() if len(lrs) > 1
+                for momentum in self.momentums for lr in lrs]
 
 
 def _list(values, key: str, kind) -> list:
@@ -123,19 +157,30 @@ def _list(values, key: str, kind) -> list:
         raise StudyError(f"study key '{key}' expects {kind.__name__} values, got {values!r}") from None
 
 
-def _mode(text: str, depth: int) -> tuple[str, int]:
+def _mode(text: str, depth: int) -> tuple[str, int, int]:
+    """(schedule or "sync", depth, sync_steps) of `sync` or `schedule[@depth][+syncN]`."""
     from ..schedules import SCHEDULES
 
-    schedule, _, at = str(text).partition("@")
+    text = str(text)
+    head, plus, start = text.partition("+")
+    sync_steps = 0
+    if plus:
+        if not (start.startswith("sync") and start[4:].isdigit() and int(start[4:]) > 0):
+            raise StudyError(f"mode '{text}': what follows + must be syncN, N > 0 synchronous steps "
+                             "before the delays begin, e.g. pipedream-2bw@2+sync100")
+        sync_steps = int(start[4:])
+    schedule, _, at = head.partition("@")
     if schedule == "sync":
-        return "sync", 1
+        if plus or at:
+            raise StudyError(f"mode '{text}': sync takes neither @depth nor +syncN")
+        return "sync", 1, 0
     spec = SCHEDULES.get(schedule)
     if spec is None or spec.synchronous:
         asynchronous = sorted(n for n, s in SCHEDULES.items() if not s.synchronous)
         raise StudyError(f"unknown mode '{text}': use sync or an asynchronous schedule "
-                         f"({', '.join(asynchronous)}), optionally @depth")
+                         f"({', '.join(asynchronous)}), optionally @depth and +syncN")
     try:
-        return schedule, int(at) if at else depth
+        return schedule, int(at) if at else depth, sync_steps
     except ValueError:
         raise StudyError(f"mode '{text}': the depth after @ must be an integer") from None
 
@@ -167,10 +212,12 @@ def load_study(path: str | os.PathLike) -> Study:
         raise StudyError("every optimizer needs at least one learning rate, all positive")
     depth = int(raw.get("depth", 2))
     modes = [_mode(m, depth) for m in _list(raw["modes"], "modes", str)]
-    if not any(s == "sync" for s, _ in modes):
+    if not any(s == "sync" for s, _, _ in modes):
         raise StudyError("'modes' must include sync: gaps are measured against it")
-    if any(d < 2 for s, d in modes if s != "sync"):
+    if any(d < 2 for s, d, _ in modes if s != "sync"):
         raise StudyError("asynchronous modes need a depth of at least 2")
+    if len(set(modes)) < len(modes):
+        raise StudyError(f"'modes' lists a mode twice: {raw['modes']!r}")
     launch = raw.get("launch", "emulator")
     if launch not in LAUNCHES:
         raise StudyError(f"launch must be one of {', '.join(LAUNCHES)}, got '{launch}'")

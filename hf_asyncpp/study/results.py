@@ -1,5 +1,9 @@
 """A study's results table: per (optimizer, mode, EF λ, momentum), over seeds.
 
+A mode is `sync`, `schedule@depth`, or a sync-start mode `schedule@depth+syncN` (synchronous for N steps,
+then delayed): every mode but `sync` is a delayed mode, with its own row, its gap to the sync arm of the
+same optimizer, momentum and seed, and its EF share against its own EF-off twin (same mode).
+
 - `val_loss`: the mean final validation loss over seeds, `val_loss_std` its sample standard deviation
   (the seed spread);
 - `gap`: val_loss − the matching sync arm's (same optimizer, momentum), averaged over the seeds both

@@ -1,0 +1,189 @@
+"""The study grid's learning-rate choice per (optimizer, momentum) and its sync-start mode: parsing, arm
+expansion, names, overrides, the tuning record and the results rows. Single-process, nothing trains."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hf_asyncpp.study import StudyError, load_study, read_chosen
+from hf_asyncpp.study.grid import Arm
+from hf_asyncpp.study.results import results_rows
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = REPO / "training_scripts" / "configs" / "tiny_moe.yaml"
+
+
+def _study(tmp_path, **keys):
+    raw = dict(name="t", base_config=str(BASE), base={"max_steps": 300, "eval_fraction": 0.05},
+               optimizers={"adamw": [1.0e-3, 3.0e-3], "muon": [2.0e-2]}, modes=["sync", "pipedream-2bw"],
+               ef=[0, 1.0], momentum=[0.9, 0.95], seeds=[0, 1], output_dir=str(tmp_path / "out"))
+    raw.update(keys)
+    path = tmp_path / "study.yaml"
+    path.write_text(json.dumps(raw))  # JSON is YAML
+    return load_study(path)
+
+
+# Learning rates per (optimizer, momentum)
+
+def test_tuning_arms_cover_every_momentum_of_every_optimizer_with_several_learning_rates(tmp_path):
+    study = _study(tmp_path)
+    tuning = study.tuning_arms()
+    assert {(a.optimizer, a.momentum, a.learning_rate) for a in tuning} == {
+        ("adamw", m, lr) for m in (0.9, 0.95) for lr in (1.0e-3, 3.0e-3)}  # muon has one candidate: no tuning
+    assert all(a.synchronous and a.seed == 0 and a.ef_lambda == 0 and a.sync_steps == 0 for a in tuning)
+
+
+def test_each_optimizer_and_momentum_pair_uses_its_own_chosen_learning_rate(tmp_path):
+    study = _study(tmp_path)
+    chosen = {("adamw", 0.9): 3.0e-3, ("adamw", 0.95): 1.0e-3, ("muon", 0.9): 2.0e-2, ("muon", 0.95): 2.0e-2}
+    arms = study.arms(chosen)
+    assert len(arms) == 2 * 2 * 2 * (1 + 2)  # optimizers × momentum × seeds × (sync + 2BW × EF off/on)
+    for arm in arms:
+        assert arm.learning_rate == chosen[(arm.optimizer, arm.momentum)]
+
+
+def test_a_learning_rate_keyed_by_optimizer_alone_applies_to_all_its_momentum_values(tmp_path):
+    study = _study(tmp_path)
+    arms = study.arms({"adamw": 1.0e-3, ("muon", 0.95): 2.0e-2, "muon": 5.0e-2})
+    assert {a.learning_rate for a in arms if a.optimizer == "adamw"} == {1.0e-3}
+    assert {(a.momentum, a.learning_rate) for a in arms if a.optimizer == "muon"} == {(0.9, 5.0e-2), (0.95, 2.0e-2)}
+    with pytest.raises(StudyError, match="no learning rate chosen for muon"):
+        study.arms({"adamw": 1.0e-3})
+
+
+def test_the_untuned_pick_is_every_optimizers_first_candidate_at_every_momentum(tmp_path):
+    study = _study(tmp_path)
+    assert study.first_learning_rates() == {("adamw", 0.9): 1.0e-3, ("adamw", 0.95): 1.0e-3,
+                                            ("muon", 0.9): 2.0e-2, ("muon", 0.95): 2.0e-2}
+    assert read_chosen(study) == study.first_learning_rates()  # no tuning.json yet
+
+
+def test_tuning_json_records_one_pick_per_optimizer_and_momentum(tmp_path):
+    from hf_asyncpp.study import _tuning_record
+
+    study = _study(tmp_path)
+    trials = {("adamw", 0.9): {1.0e-3: 5.0, 3.0e-3: 4.5}, ("adamw", 0.95): {1.0e-3: 4.4, 3.0e-3: 4.9}}
+    chosen = {**study.first_learning_rates(), ("adamw", 0.9): 3.0e-3, ("adamw", 0.95): 1.0e-3}
+    study.output_dir.mkdir(parents=True)
+    (study.output_dir / "tuning.json").write_text(json.dumps(_tuning_record(trials, chosen)))
+    assert read_chosen(study) == chosen
+    record = json.loads((study.output_dir / "tuning.json").read_text())
+    assert {"optimizer": "adamw", "momentum": 0.95, "learning_rate": 1.0e-3, "eval_loss": 4.4} in record["trials"]
+
+
+def test_a_tuning_json_from_before_per_momentum_tuning_keeps_its_arms_in_the_grid(tmp_path):
+    # The old format chose per optimizer (at the first momentum) and every momentum's arms ran with it.
+    study = _study(tmp_path)
+    study.output_dir.mkdir(parents=True)
+    (study.output_dir / "tuning.json").write_text(json.dumps(
+        {"trials": {"adamw": {"0.001": 5.0, "0.003": 4.5}}, "chosen": {"adamw": 3.0e-3, "muon": 2.0e-2}}))
+    chosen = read_chosen(study)
+    assert chosen == {("adamw", 0.9): 3.0e-3, ("adamw", 0.95): 3.0e-3, ("muon", 0.9): 2.0e-2, ("muon", 0.95): 2.0e-2}
+    assert "adamw-pipedream-2bw-p2-ef1-m0.95-lr0.003-s1" in {a.name for a in study.arms(chosen)}
+
+
+def test_an_unreadable_tuning_json_is_refused_with_what_to_do(tmp_path):
+    study = _study(tmp_path)
+    study.output_dir.mkdir(parents=True)
+    (study.output_dir / "tuning.json").write_text(json.dumps({"format": 7, "chosen": "?"}))
+    with pytest.raises(StudyError, match="delete it to tune again"):
+        read_chosen(study)
+
+
+# Sync start
+
+def test_a_sync_start_mode_parses_into_its_schedule_depth_and_synchronous_steps(tmp_path):
+    study = _study(tmp_path, modes=["sync", "pipedream-2bw@4+sync100", "pipedream+sync20"], depth=2)
+    assert study.modes == [("sync", 1, 0), ("pipedream-2bw", 4, 100), ("pipedream", 2, 20)]
+
+
+@pytest.mark.parametrize("mode", ["pipedream-2bw@2+sync", "pipedream-2bw@2+sync0", "pipedream-2bw@2+warm10",
+                                  "sync+sync10", "pipedream-2bw@2+sync1e2"])
+def test_a_malformed_sync_start_mode_is_refused(tmp_path, mode):
+    with pytest.raises(StudyError, match=re.escape(f"mode '{mode}'")):
+        _study(tmp_path, modes=["sync", mode])
+
+
+def test_a_mode_listed_twice_is_refused(tmp_path):
+    with pytest.raises(StudyError, match="twice"):
+        _study(tmp_path, modes=["sync", "pipedream-2bw", "pipedream-2bw@2"], depth=2)
+
+
+def test_a_sync_start_arm_is_its_own_mode_and_sets_sync_steps(tmp_path):
+    study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream-2bw@2+sync100"])
+    arms = study.arms(study.first_learning_rates())
+    start = [a for a in arms if a.sync_steps]
+    assert len(start) == 2 * 2 * 2 * 2  # optimizers × momentum × seeds × EF off/on
+    arm = next(a for a in start if a.optimizer == "adamw" and a.ef_lambda == 1.0 and a.momentum == 0.9 and a.seed == 0)
+    assert arm.mode == "pipedream-2bw@2+sync100"
+    assert arm.name == "adamw-pipedream-2bw-p2-sync100-ef1-m0.9-lr0.001-s0"
+    keys = arm.overrides("emulator")
+    assert (keys["sync_steps"], keys["schedule"], keys["emulate_pp_size"], keys["ef"]) == (100, "pipedream-2bw", 2, True)
+    assert arm.overrides("pipeline")["sync_steps"] == 100
+    assert len({a.name for a in arms}) == len(arms)
+
+
+def test_arms_without_sync_start_keep_the_names_and_overrides_they_had_before_it(tmp_path):
+    # A rerun finds finished arms by name, so these must not change.
+    assert Arm("adamw", "pipedream-2bw", 2, 1.0, 0.9, 3.0e-3, 1).name == "adamw-pipedream-2bw-p2-ef1-m0.9-lr0.003-s1"
+    assert Arm("muon", "sync", 1, 0.0, 0.95, 2.0e-2, 0).name == "muon-sync-m0.95-lr0.02-s0"
+    assert "sync_steps" not in Arm("adamw", "pipedream", 4, 0.0, 0.9, 1.0e-3, 0).overrides("emulator")
+    # and an arm.json written before sync start existed still reads
+    old = {"arm": dict(optimizer="adamw", schedule="pipedream", depth=4, ef_lambda=0.0, momentum=0.9,
+                       learning_rate=1.0e-3, seed=0)}
+    assert Arm.from_record(old) == Arm("adamw", "pipedream", 4, 0.0, 0.9, 1.0e-3, 0, 0)
+
+
+def test_a_sync_start_arm_validates_as_the_runner_runs_it(tmp_path):
+    from hf_asyncpp.study.runner import check_arms
+
+    study = _study(tmp_path, modes=["sync", "pipedream-2bw@2+sync100"], optimizers={"adamw": [1.0e-3]},
+                   momentum=[0.9], seeds=[0])
+    check_arms(study, study.arms(study.first_learning_rates()))
+    late = _study(tmp_path, modes=["sync", "pipedream-2bw@2+sync300"], optimizers={"adamw": [1.0e-3]},
+                  momentum=[0.9], seeds=[0])
+    with pytest.raises(StudyError, match="sync_steps"):  # not below max_steps 300
+        check_arms(late, late.arms(late.first_learning_rates()))
+
+
+def _record(arm: Arm, loss: float) -> dict:
+    return {"arm": arm.__dict__, "mode": arm.mode, "final_eval": {"eval_loss": loss}}
+
+
+def test_a_sync_start_rows_gap_is_to_the_sync_arm_of_its_optimizer_momentum_and_seed():
+    def arm(mode_schedule, depth, ef, seed, sync_steps=0, momentum=0.9, optimizer="adamw"):
+        return Arm(optimizer, mode_schedule, depth, ef, momentum, 1.0e-3, seed, sync_steps)
+
+    records = [_record(arm("sync", 1, 0.0, 0), 3.0), _record(arm("sync", 1, 0.0, 1), 3.2),
+               _record(arm("sync", 1, 0.0, 0, momentum=0.95), 9.0),  # another momentum: not the reference
+               _record(arm("pipedream-2bw", 2, 0.0, 0), 3.5), _record(arm("pipedream-2bw", 2, 0.0, 1), 3.7),
+               _record(arm("pipedream-2bw", 2, 0.0, 0, 100), 3.2), _record(arm("pipedream-2bw", 2, 0.0, 1, 100), 3.4),
+               _record(arm("pipedream-2bw", 2, 1.0, 0, 100), 3.05), _record(arm("pipedream-2bw", 2, 1.0, 1, 100), 3.25)]
+    rows = {(r["mode"], r["ef_lambda"], r["momentum"]): r for r in results_rows(records)}
+    assert rows[("pipedream-2bw@2", 0.0, 0.9)]["gap"] == pytest.approx(0.5)
+    start = rows[("pipedream-2bw@2+sync100", 0.0, 0.9)]
+    assert start["gap"] == pytest.approx(0.2) and start["gap_std"] == pytest.approx(0.0, abs=1e-9)
+    start_ef = rows[("pipedream-2bw@2+sync100", 1.0, 0.9)]
+    assert start_ef["gap"] == pytest.approx(0.05)
+    assert start_ef["ef_recovered"] == pytest.approx(0.75)  # against its own EF-off twin (0.2), not 2BW's (0.5)
+
+
+def test_the_figures_leave_sync_start_out_of_the_depth_trend(tmp_path):
+    from hf_asyncpp.study.figures import write_figures
+
+    records = []
+    for seed in (0, 1):
+        for schedule, depth, sync_steps, loss in (("sync", 1, 0, 3.0), ("pipedream-2bw", 2, 0, 3.5),
+                                                  ("pipedream-2bw", 4, 0, 3.6), ("pipedream-2bw", 2, 100, 3.2)):
+            arm = Arm("adamw", schedule, depth, 0.0, 0.9, 1.0e-3, seed, sync_steps)
+            directory = tmp_path / "arms" / arm.name
+            directory.mkdir(parents=True)
+            (directory / "metrics.jsonl").write_text("".join(
+                json.dumps({"step": s, "loss": loss + 1 / s}) + "\n" for s in range(1, 6)))
+            records.append(_record(arm, loss + seed / 10))
+    written = {p.name for p in write_figures(tmp_path, results_rows(records), records)}
+    assert "gap_vs_depth.png" in written
