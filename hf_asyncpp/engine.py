@@ -216,6 +216,8 @@ class PipelineEngine:
             # Stages update inside the segment, when their update is due (see _update_stage).
             self.schedule.run_step(rows, None if next_rows is None else next_rows.to(self.layout.device))
             busy = self.timer.take()
+            if self.step_count + 1 == self.last_step:  # the drain: its held updates are reported with it
+                self.settle_updates()
         else:
             self.run_microbatches(rows)
             busy = self.timer.take()

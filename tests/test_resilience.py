@@ -306,8 +306,9 @@ def test_with_a_restart_budget_a_killed_rank_costs_only_the_steps_since_the_last
 
 
 def _poisoned_run(rank, world_size, pp_size: int):
-    """2BW (AdamW + EF, skip policy) with minibatch K's loss poisoned: on a pp 2 pipeline, or emulated
-    on one process at depth 2. The final weights (whole, on rank 0) and the skipped updates per step."""
+    """2BW (AdamW + EF, skip policy) with the losses of minibatch K and of the last poisoned: on a pp 2
+    pipeline, or emulated on one process at depth 2. The final weights (whole, on rank 0) and the
+    skipped updates per step."""
     from hf_asyncpp.checkpoint import gather_full_state_dict
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.engine import PipelineEngine
@@ -325,7 +326,7 @@ def _poisoned_run(rank, world_size, pp_size: int):
                              n_microbatches=M, seed=4, max_steps=STEPS, nonfinite_policy="skip")
         engine = PipelineEngine(config, model_config, layout)
         rows = torch.randint(0, 120, (STEPS, ROWS, SEQ), generator=torch.Generator().manual_seed(2))
-        rows[K, MBS, 0] = 127
+        rows[K, MBS, 0] = rows[STEPS - 1, MBS, 0] = 127
         results = [engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
         engine.finish()
         skipped = [r.skipped_updates_per_stage for r in results]
@@ -346,10 +347,10 @@ def test_the_one_process_emulator_skips_an_update_as_the_pipeline_does():
 
     pipeline, skipped = run_ranks(2, _poisoned_run, 2)[0]
     emulated, emulated_skipped = run_ranks(1, _poisoned_run, 1)[0]
-    assert emulated_skipped[K] == [1, 1] and sum(map(sum, emulated_skipped)) == 2
+    assert emulated_skipped[K] == emulated_skipped[-1] == [1, 1] and sum(map(sum, emulated_skipped)) == 4
     # Held for its global norm (updates.py), the pipeline's update of minibatch K is applied — here
-    # skipped — and so reported in the next step.
-    assert skipped[K + 1] == [1, 1] and sum(map(sum, skipped)) == 2
+    # skipped — and so reported in the next step; the last step's own, applied as it drains, with it.
+    assert skipped[K + 1] == skipped[-1] == [1, 1] and sum(map(sum, skipped)) == 4
     assert pipeline.keys() == emulated.keys()
     for name in pipeline:
         assert torch.allclose(torch.tensor(pipeline[name]), torch.tensor(emulated[name]), rtol=0, atol=TOL), name
