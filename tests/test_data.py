@@ -428,23 +428,71 @@ def test_a_streamed_token_beyond_the_vocabulary_is_refused_when_its_step_is_read
         sampler.rows(5 // config.rows_per_step)
 
 
+def _bad_data_argv(dataset: str, out) -> list[str]:
+    """train.py's arguments for a pp 2 run on `dataset`."""
+    return ["--model_config", "tiny-moe", "--dataset", dataset, "--seq_len", str(SEQ_BAD), "--micro_batch_size", "2",
+            "--n_microbatches", "2", "--pp_size", "2", "--max_steps", "2", "--threads_per_rank", "1",
+            "--report_to", "none", "--output_dir", str(out)]
+
+
+def _train_py_main_on_a_rank(rank, world_size, argv, stderr_path):
+    """train.py's main(argv) on a rank of the suite's pool (RANK, WORLD_SIZE, MASTER_* set as torchrun
+    sets them); (its exit status, what it wrote to stderr — file descriptor 2, so every writer's)."""
+    import os
+    import sys
+
+    from hf_asyncpp.run import main
+
+    path = f"{stderr_path}.rank{rank}"
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as captured:
+        os.dup2(captured.fileno(), 2)
+    try:
+        code = main(argv)
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+    with open(path) as captured:
+        return code, captured.read()
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", BAD_DATA)
 def test_under_a_two_rank_launch_bad_data_ends_every_rank_with_one_error_and_writes_nothing(tmp_path, case):
     """Rank 0 reads the data first; a failure there (or on any rank) ends every rank at the same
-    point with the same message — not one traceback and a "lost contact" on the other rank."""
+    point with the same message — not one traceback and a "lost contact" on the other rank. Every kind
+    of bad data is one DataError out of training_data (loop.load_main_process_first), so each runs
+    train.py's main on two ranks of the suite's pool; the torchrun launch itself is the next test's."""
+    from tests.ranks import run_ranks
+
+    dataset, expected = _bad_data(tmp_path, case)
+    out = tmp_path / "out"
+    results = run_ranks(2, _train_py_main_on_a_rank, _bad_data_argv(dataset, out), str(tmp_path / "stderr"))
+    assert [code for code, _ in results] == [1, 1]  # both ranks exit 1, as torchrun's report of them says
+    stderr = "".join(err for _, err in results)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(expected, errors[0]), stderr[-3000:]
+    assert [line for line in results[0][1].splitlines() if line.startswith("error:")] == errors  # said by rank 0
+    assert "Traceback" not in stderr and "lost contact" not in stderr, stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.multirank
+def test_under_torchrun_bad_data_ends_every_rank_with_one_error_and_writes_nothing(tmp_path):
+    """The same under torchrun itself, for one kind (a file cut short): one `error:` line, no rank's
+    traceback, exit code 1 in the launcher's report, no output directory."""
     import subprocess
     import sys
 
     from tests.test_run import _env
 
-    dataset, expected = _bad_data(tmp_path, case)
+    dataset, expected = _bad_data(tmp_path, "cut")
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "training_scripts/train.py", "--model_config", "tiny-moe", "--dataset", dataset,
-                           "--seq_len", str(SEQ_BAD), "--micro_batch_size", "2", "--n_microbatches", "2",
-                           "--pp_size", "2", "--max_steps", "2", "--threads_per_rank", "1", "--report_to", "none",
-                           "--output_dir", str(out)], capture_output=True, text=True, env=_env(), timeout=300)
+                           "training_scripts/train.py", *_bad_data_argv(dataset, out)],
+                          capture_output=True, text=True, env=_env(), timeout=300)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(expected, errors[0]), done.stderr[-3000:]
