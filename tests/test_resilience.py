@@ -3,7 +3,9 @@ written, and `skip` continues as if the update had never been computed.
 
 Runs of training_scripts/train.py under torchrun (pp 2, fp32, fixed seeds, constant LR, no shuffle)
 through tests/faults.py, which makes the loss of one microbatch of minibatch K (0-based; step K + 1)
-NaN — and with it that microbatch's gradient on every stage.
+NaN — and with it that microbatch's gradient on every stage. The runs without any fault that others
+are compared with (below; and the uninterrupted run of the preemption tests) run train.py's main on
+ranks of the suite's pool (tests/ranks.py train_py).
 
 - `stop`: every rank exits non-zero one step later with the message (step, stages, tensors); the
   checkpoints written before hold finite values only; no export is written.

@@ -1,7 +1,8 @@
 """AsyncPPTrainer: a transformers.Trainer on the pipeline, launched as a user's script under torchrun.
 
-- The Trainer and train.py run one engine: the same config and data give the same per-step losses and
-  validation losses (pp 2, PipeDream-2BW + Error Feedback, AdamW, clipping, warm-up, linear decay).
+- The Trainer and train.py (its main on two ranks of the suite's pool) run one engine: the same config
+  and data give the same per-step losses and validation losses (pp 2, PipeDream-2BW + Error Feedback,
+  AdamW, clipping, warm-up, linear decay).
 - A Trainer run saves at save_steps; `train(resume_from_checkpoint=...)` in a new launch continues with
   identical losses and keeps the log history; `push_to_hub` reaches the loopback Hub with the export
   and a card that says what was done.
