@@ -3,8 +3,8 @@ written, and `skip` continues as if the update had never been computed.
 
 Runs of training_scripts/train.py under torchrun (pp 2, fp32, fixed seeds, constant LR, no shuffle)
 through tests/faults.py, which makes the loss of one microbatch of minibatch K (0-based; step K + 1)
-NaN — and with it that microbatch's gradient on every stage. The runs without any fault that others
-are compared with (below; and the uninterrupted run of the preemption tests) run train.py's main on
+NaN — and with it that microbatch's gradient on every stage. The reference runs the others are
+compared with (below; and the uninterrupted run of the preemption tests) run train.py's main on
 ranks of the suite's pool (tests/ranks.py train_py).
 
 - `stop`: every rank exits non-zero one step later with the message (step, stages, tensors); the
@@ -77,6 +77,24 @@ def _reference(tmp_path, out, data, schedule, *extra) -> None:
     assert [code for code, _ in ran] == [0, 0], ran[0][1][-3000:]
 
 
+def _main_without_update(rank, world_size, k, argv, log_dir):
+    """tests/faults.py with IDENTITY_UPDATE=k, on a rank of the suite's pool: its drop_update(k) for
+    train.py's main(argv) (tests/ranks.py), then the update rule put back for the rank's next run."""
+    import os
+
+    from hf_asyncpp.updates import Updates
+    from tests.faults import drop_update
+    from tests.ranks import _train_py_main
+
+    os.makedirs(log_dir, exist_ok=True)
+    original = Updates.step
+    drop_update(k)
+    try:
+        return _train_py_main(rank, world_size, argv, str(log_dir))
+    finally:
+        Updates.step = original
+
+
 def _records(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -134,8 +152,10 @@ def test_skip_under_an_asynchronous_schedule_drops_exactly_that_update(tmp_path)
     args = ("pipedream-2bw", "--ef", "true", "--nonfinite_policy", "skip")
     done = _train(tmp_path, skipped, data, *args, fault={"POISON_TOKEN": POISON})
     assert done.returncode == 0, done.stderr[-3000:]
-    dropped = _train(tmp_path, reference, data, *args, fault={"IDENTITY_UPDATE": K})
-    assert dropped.returncode == 0, dropped.stderr[-3000:]
+    from tests.ranks import run_ranks  # the reference on the suite's pool, as faults.py IDENTITY_UPDATE=K runs it
+
+    dropped = run_ranks(2, _main_without_update, K, _arguments(tmp_path, reference, data, *args), tmp_path / "logs")
+    assert [code for code, _ in dropped] == [0, 0], dropped[0][1][-3000:]
 
     records = _records(skipped)
     assert sum(sum(r["skipped_updates_per_stage"]) for r in records) == 2  # one update on each stage
