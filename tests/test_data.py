@@ -428,23 +428,48 @@ def test_a_streamed_token_beyond_the_vocabulary_is_refused_when_its_step_is_read
         sampler.rows(5 // config.rows_per_step)
 
 
+def _bad_data_argv(dataset: str, out) -> list[str]:
+    """train.py's arguments for a pp 2 run on `dataset`."""
+    return ["--model_config", "tiny-moe", "--dataset", dataset, "--seq_len", str(SEQ_BAD), "--micro_batch_size", "2",
+            "--n_microbatches", "2", "--pp_size", "2", "--max_steps", "2", "--threads_per_rank", "1",
+            "--report_to", "none", "--output_dir", str(out)]
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", BAD_DATA)
 def test_under_a_two_rank_launch_bad_data_ends_every_rank_with_one_error_and_writes_nothing(tmp_path, case):
     """Rank 0 reads the data first; a failure there (or on any rank) ends every rank at the same
-    point with the same message — not one traceback and a "lost contact" on the other rank."""
+    point with the same message — not one traceback and a "lost contact" on the other rank. Every kind
+    of bad data is one DataError out of training_data (loop.load_main_process_first), so each runs
+    train.py's main on two ranks of the suite's pool; the torchrun launch itself is the next test's."""
+    from tests.ranks import train_py
+
+    dataset, expected = _bad_data(tmp_path, case)
+    out = tmp_path / "out"
+    results = train_py(2, _bad_data_argv(dataset, out), tmp_path / "logs")
+    assert [code for code, _ in results] == [1, 1]  # both ranks exit 1, as torchrun's report of them says
+    stderr = "".join(err for _, err in results)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(expected, errors[0]), stderr[-3000:]
+    assert [line for line in results[0][1].splitlines() if line.startswith("error:")] == errors  # said by rank 0
+    assert "Traceback" not in stderr and "lost contact" not in stderr, stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.multirank
+def test_under_torchrun_bad_data_ends_every_rank_with_one_error_and_writes_nothing(tmp_path):
+    """The same under torchrun itself, for one kind (a file cut short): one `error:` line, no rank's
+    traceback, exit code 1 in the launcher's report, no output directory."""
     import subprocess
     import sys
 
     from tests.test_run import _env
 
-    dataset, expected = _bad_data(tmp_path, case)
+    dataset, expected = _bad_data(tmp_path, "cut")
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "training_scripts/train.py", "--model_config", "tiny-moe", "--dataset", dataset,
-                           "--seq_len", str(SEQ_BAD), "--micro_batch_size", "2", "--n_microbatches", "2",
-                           "--pp_size", "2", "--max_steps", "2", "--threads_per_rank", "1", "--report_to", "none",
-                           "--output_dir", str(out)], capture_output=True, text=True, env=_env(), timeout=300)
+                           "training_scripts/train.py", *_bad_data_argv(dataset, out)],
+                          capture_output=True, text=True, env=_env(), timeout=300)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(expected, errors[0]), done.stderr[-3000:]
@@ -462,6 +487,7 @@ def test_only_the_ranks_of_the_first_and_last_stage_read_the_data(tmp_path):
     import subprocess
     import sys
 
+    from tests.ranks import train_py
     from tests.test_run import _env
 
     rows = torch.randint(0, 8192, (96, SEQ_BAD), generator=torch.Generator().manual_seed(0))
@@ -471,15 +497,19 @@ def test_only_the_ranks_of_the_first_and_last_stage_read_the_data(tmp_path):
     losses = {}
     for pp in (3, 1):
         out = tmp_path / f"pp{pp}"
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(pp)] if pp > 1 else [sys.executable]
-        done = subprocess.run([*launcher, "tests/faults.py", "--model_config", "tiny-moe", "--dataset", dataset,
-                               "--seq_len", str(SEQ_BAD), "--micro_batch_size", "2", "--n_microbatches", "3",
-                               "--pp_size", str(pp), "--max_steps", "4", "--eval_fraction", "0.25", "--eval_steps", "2",
-                               "--lr_scheduler_type", "constant", "--shuffle", "false", "--threads_per_rank", "1",
-                               "--report_to", "none", "--save_final", "false", "--output_dir", str(out)],
-                              capture_output=True, text=True, timeout=600,
-                              env={**_env(), **({"RECORD_READS": str(reads)} if pp > 1 else {})})
-        assert done.returncode == 0, done.stderr[-3000:]
+        arguments = ["--model_config", "tiny-moe", "--dataset", dataset, "--seq_len", str(SEQ_BAD),
+                     "--micro_batch_size", "2", "--n_microbatches", "3", "--pp_size", str(pp), "--max_steps", "4",
+                     "--eval_fraction", "0.25", "--eval_steps", "2", "--lr_scheduler_type", "constant",
+                     "--shuffle", "false", "--threads_per_rank", "1", "--report_to", "none", "--save_final", "false",
+                     "--output_dir", str(out)]
+        if pp > 1:
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(pp),
+                                   "tests/faults.py", *arguments], capture_output=True, text=True, timeout=600,
+                                  env={**_env(), "RECORD_READS": str(reads)})
+            assert done.returncode == 0, done.stderr[-3000:]
+        else:  # the one-process run, train.py's main on a rank of the suite's pool
+            [(code, stderr)] = train_py(1, arguments, tmp_path / "pp1-logs")
+            assert code == 0, stderr[-3000:]
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[pp] = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in records]
     assert sorted(p.name for p in reads.iterdir()) == ["rank-0", "rank-2"]

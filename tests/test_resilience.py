@@ -3,7 +3,9 @@ written, and `skip` continues as if the update had never been computed.
 
 Runs of training_scripts/train.py under torchrun (pp 2, fp32, fixed seeds, constant LR, no shuffle)
 through tests/faults.py, which makes the loss of one microbatch of minibatch K (0-based; step K + 1)
-NaN — and with it that microbatch's gradient on every stage.
+NaN — and with it that microbatch's gradient on every stage. The reference runs the others are
+compared with (below; and the uninterrupted run of the preemption tests) run train.py's main on
+ranks of the suite's pool (tests/ranks.py train_py).
 
 - `stop`: every rank exits non-zero one step later with the message (step, stages, tensors); the
   checkpoints written before hold finite values only; no export is written.
@@ -32,6 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.ranks import train_py
 from tests.test_engine import small_model_config
 from tests.test_run import _env
 
@@ -53,14 +56,43 @@ def _data(tmp_path, drop_minibatch: int | None = None):
     return path
 
 
+def _arguments(tmp_path, out, data, schedule, *extra) -> list[str]:
+    return ["--model_config", str(tmp_path / "model"), "--dataset", str(data), "--seq_len", str(SEQ),
+            "--micro_batch_size", str(MBS), "--n_microbatches", str(M), "--pp_size", "2", "--schedule", schedule,
+            "--optimizer", "adamw", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant", "--shuffle", "false",
+            "--max_steps", str(STEPS), "--logging_steps", "1", "--report_to", "none", "--seed", "3",
+            "--output_dir", str(out), *extra]
+
+
 def _train(tmp_path, out, data, schedule, *extra, fault: dict | None = None):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/faults.py", "--model_config", str(tmp_path / "model"),
-               "--dataset", str(data), "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches",
-               str(M), "--pp_size", "2", "--schedule", schedule, "--optimizer", "adamw", "--learning_rate", "3e-3",
-               "--lr_scheduler_type", "constant", "--shuffle", "false", "--max_steps", str(STEPS), "--logging_steps",
-               "1", "--report_to", "none", "--seed", "3", "--output_dir", str(out), *extra]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/faults.py",
+               *_arguments(tmp_path, out, data, schedule, *extra)]
     env = {**_env(), **{k: str(v) for k, v in (fault or {}).items()}}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+
+
+def _reference(tmp_path, out, data, schedule, *extra) -> None:
+    """A run without faults, to compare with: train.py's main on two ranks of the suite's pool."""
+    ran = train_py(2, _arguments(tmp_path, out, data, schedule, *extra), out.parent / f"{out.name}-logs")
+    assert [code for code, _ in ran] == [0, 0], ran[0][1][-3000:]
+
+
+def _main_without_update(rank, world_size, k, argv, log_dir):
+    """tests/faults.py with IDENTITY_UPDATE=k, on a rank of the suite's pool: its drop_update(k) for
+    train.py's main(argv) (tests/ranks.py), then the update rule put back for the rank's next run."""
+    import os
+
+    from hf_asyncpp.updates import Updates
+    from tests.faults import drop_update
+    from tests.ranks import _train_py_main
+
+    os.makedirs(log_dir, exist_ok=True)
+    original = Updates.step
+    drop_update(k)
+    try:
+        return _train_py_main(rank, world_size, argv, str(log_dir))
+    finally:
+        Updates.step = original
 
 
 def _records(out) -> list[dict]:
@@ -104,8 +136,7 @@ def test_skip_gives_the_weights_of_a_run_that_never_saw_the_minibatch(tmp_path):
                   fault={"POISON_TOKEN": POISON})
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"warning: step {K + 1}: NaN or infinity in the loss of 1 microbatch" in done.stderr
-    without = _train(tmp_path, reference, _data(tmp_path, drop_minibatch=K), "1f1b", "--max_steps", str(STEPS - 1))
-    assert without.returncode == 0, without.stderr[-3000:]
+    _reference(tmp_path, reference, _data(tmp_path, drop_minibatch=K), "1f1b", "--max_steps", str(STEPS - 1))
 
     records, expected = _records(skipped), _records(reference)
     assert math.isnan(records[K]["loss"]) and records[K]["skipped_updates_per_stage"] == [1, 1]
@@ -121,8 +152,10 @@ def test_skip_under_an_asynchronous_schedule_drops_exactly_that_update(tmp_path)
     args = ("pipedream-2bw", "--ef", "true", "--nonfinite_policy", "skip")
     done = _train(tmp_path, skipped, data, *args, fault={"POISON_TOKEN": POISON})
     assert done.returncode == 0, done.stderr[-3000:]
-    dropped = _train(tmp_path, reference, data, *args, fault={"IDENTITY_UPDATE": K})
-    assert dropped.returncode == 0, dropped.stderr[-3000:]
+    from tests.ranks import run_ranks  # the reference on the suite's pool, as faults.py IDENTITY_UPDATE=K runs it
+
+    dropped = run_ranks(2, _main_without_update, K, _arguments(tmp_path, reference, data, *args), tmp_path / "logs")
+    assert [code for code, _ in dropped] == [0, 0], dropped[0][1][-3000:]
 
     records = _records(skipped)
     assert sum(sum(r["skipped_updates_per_stage"]) for r in records) == 2  # one update on each stage
@@ -187,7 +220,11 @@ LONG = 30
 
 
 def _long_command(tmp_path, out, *launcher, timeout_s: float = 600):
-    return [*launcher, "training_scripts/train.py", "--model_config", str(tmp_path / "model"),
+    return [*launcher, "training_scripts/train.py", *_long_arguments(tmp_path, out, timeout_s)]
+
+
+def _long_arguments(tmp_path, out, timeout_s: float = 600):
+    return ["--model_config", str(tmp_path / "model"),
             "--dataset", str(tmp_path / "long.jsonl"), "--seq_len", str(SEQ), "--micro_batch_size", str(MBS),
             "--n_microbatches", str(M), "--pp_size", "2", "--schedule", "pipedream-2bw", "--ef", "true",
             "--optimizer", "adamw", "--learning_rate", "3e-3", "--warmup_steps", "3", "--max_steps", str(LONG),
@@ -206,7 +243,8 @@ def uninterrupted(tmp_path_factory):
     rows = torch.randint(0, 8000, (LONG * ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
     out = tmp_path / "run"
-    subprocess.run(_long_command(tmp_path, out, *_torchrun()), check=True, env=_env(), capture_output=True, timeout=600)
+    ran = train_py(2, _long_arguments(tmp_path, out), tmp_path / "run-logs")  # on the suite's pool
+    assert [code for code, _ in ran] == [0, 0], ran[0][1][-3000:]
     return tmp_path, out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 
 import pytest
 import torch
@@ -46,7 +47,8 @@ def _final_eval_loss(arm_directory):
 
 
 @pytest.mark.multirank
-def test_a_small_study_runs_and_its_table_follows_the_arms_metrics(study_file, tmp_path):
+def test_a_small_study_runs_its_table_follows_the_arms_metrics_and_a_crashed_arm_is_reported(study_file, tmp_path,
+                                                                                             monkeypatch):
     from hf_asyncpp.study import run_study
 
     paths = run_study(study_file, log=lambda *_: None)
@@ -85,18 +87,9 @@ def test_a_small_study_runs_and_its_table_follows_the_arms_metrics(study_file, t
     assert "0 ran, 6 already finished, 0 failed" in messages[-1]
     assert (out / "results.md").read_text() == table
 
-    # Editing the base config makes every arm stale: a rerun runs them again.
-    base = study_file.parent / "base.yaml"
-    base.write_text(base.read_text().replace("logging_steps: 1", "logging_steps: 2"))
-    run_study(study_file, log=messages.append)
-    assert "6 ran, 0 already finished, 0 failed" in messages[-1]
-
-
-@pytest.mark.multirank
-def test_a_crashed_arm_is_reported_and_the_others_finish(study_file, tmp_path, monkeypatch):
-    import sys
-
-    from hf_asyncpp.study import run_study, runner
+    # Editing the base config makes every arm stale: a rerun runs them again. In that rerun one arm
+    # crashes: it is reported (failed.txt, no arm.json, failed_arms) and the others finish.
+    from hf_asyncpp.study import runner
 
     real_command = runner._command
 
@@ -106,11 +99,15 @@ def test_a_crashed_arm_is_reported_and_the_others_finish(study_file, tmp_path, m
         return real_command(study, arm)
 
     monkeypatch.setattr(runner, "_command", crash_one)
-    run_study(study_file, log=lambda *_: None)
-    out = tmp_path / "study"
-    crashed = out / "arms" / "adamw-pipedream-2bw-p2-ef1-m0.9-lr0.003-s1"
+    base = study_file.parent / "base.yaml"
+    base.write_text(base.read_text().replace("logging_steps: 1", "logging_steps: 2"))
+    messages.clear()
+    run_study(study_file, log=messages.append)
+    assert sum("its settings changed since it ran; running it again" in m for m in messages) == 6
+    assert "5 ran, 0 already finished, 1 failed" in messages[-1]
+    crashed = arms / "adamw-pipedream-2bw-p2-ef1-m0.9-lr0.003-s1"
     assert (crashed / "failed.txt").read_text().startswith("exit status 3") and not (crashed / "arm.json").exists()
-    assert len(list((out / "arms").glob("*/arm.json"))) == 5
+    assert len(list(arms.glob("*/arm.json"))) == 5
     results = json.loads((out / "results.json").read_text())
     assert results["failed_arms"] == [crashed.name]
     ef_row = next(r for r in results["rows"] if r["ef_lambda"] == 1.0)

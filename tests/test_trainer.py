@@ -1,7 +1,8 @@
 """AsyncPPTrainer: a transformers.Trainer on the pipeline, launched as a user's script under torchrun.
 
-- The Trainer and train.py run one engine: the same config and data give the same per-step losses and
-  validation losses (pp 2, PipeDream-2BW + Error Feedback, AdamW, clipping, warm-up, linear decay).
+- The Trainer and train.py (its main on two ranks of the suite's pool) run one engine: the same config
+  and data give the same per-step losses and validation losses (pp 2, PipeDream-2BW + Error Feedback,
+  AdamW, clipping, warm-up, linear decay).
 - A Trainer run saves at save_steps; `train(resume_from_checkpoint=...)` in a new launch continues with
   identical losses and keeps the log history; `push_to_hub` reaches the loopback Hub with the export
   and a card that says what was done.
@@ -79,14 +80,15 @@ def test_the_trainer_and_train_py_share_one_engine_and_a_trainer_run_resumes_and
         hub_env = _env(HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE="0", HF_TOKEN=TOKEN)
         straight = _trainer_run(corpus, tmp_path / "trainer", "--push", env=hub_env,
                                 hub_model_id="team/tiny-async")["log_history"]
-    # train.py on the same config and data
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "training_scripts/train.py", "--model_config",
-               str(corpus / "model"), "--dataset", str(corpus / "train.jsonl"), "--eval_dataset",
-               str(corpus / "eval.jsonl"), "--output_dir", str(tmp_path / "script")]
+    # train.py on the same config and data: its main on two ranks of the suite's pool
+    from tests.ranks import train_py
+
+    arguments = ["--model_config", str(corpus / "model"), "--dataset", str(corpus / "train.jsonl"), "--eval_dataset",
+                 str(corpus / "eval.jsonl"), "--output_dir", str(tmp_path / "script")]
     for key, value in SCRIPT_SETTINGS.items():
-        command += [f"--{key}", str(value)]
-    done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+        arguments += [f"--{key}", str(value)]
+    ran = train_py(2, arguments, tmp_path / "script-logs")
+    assert [code for code, _ in ran] == [0, 0], ran[0][1][-3000:]
     records = [json.loads(line) for line in (tmp_path / "script" / "metrics.jsonl").read_text().splitlines()]
     script_losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     script_evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}

@@ -1,15 +1,15 @@
 """A checkpoint save that runs out of disk stops the run with the path and the cause, and the
 previous checkpoint stays complete and loadable.
 
-train.py under torchrun (pp 2, 1F1B, AdamW) writes into a small tmpfs that holds one checkpoint and
-the run's logs but not a second checkpoint beside it: checkpoint-2 completes, checkpoint-4 fails on
-whichever rank hits the full disk first (the message gives the cause and the free space); every rank
-stops with the same error (exit status non-zero, no hang), no `.partial` directory is left, and
-checkpoint-2 verifies and resumes (in a larger directory) to the same losses as a run that never
-failed. A second run's output directory becomes unwritable (chattr +i) once its first checkpoint
-exists: the next save stops the run with the path and the cause, and that checkpoint verifies and
-resumes. Needs permission to mount a tmpfs / make a directory immutable (root in a container);
-skipped otherwise.
+train.py under torchrun (pp 2, 1F1B, AdamW; the reference run on ranks of the suite's pool) writes
+into a small tmpfs that holds one checkpoint and the run's logs but not a second checkpoint beside
+it: checkpoint-2 completes, checkpoint-4 fails on whichever rank hits the full disk first (the
+message gives the cause and the free space); every rank stops with the same error (exit status
+non-zero, no hang), no `.partial` directory is left, and checkpoint-2 verifies and resumes (in a
+larger directory) to the same losses as a run that never failed. A second run's output directory
+becomes unwritable (chattr +i) once its first checkpoint exists: the next save stops the run with
+the path and the cause, and that checkpoint verifies and resumes. Needs permission to mount a tmpfs
+/ make a directory immutable (root in a container); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -25,15 +25,21 @@ import pytest
 
 from hf_asyncpp.checkpoint.checkpoints import list_checkpoints, verify_checkpoint
 from tests.checkpoint.test_resume_after_kill import _setup
+from tests.ranks import train_py
 from tests.test_run import _env
 
 SEQ, MBS, M = 16, 2, 4
+UNWRITABLE_STEPS = 12  # the unwritable run's: past the failing save of step 4, and a resume after it
 
 
 def _command(tmp_path, out, *extra):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "training_scripts/train.py", "--config",
-            "training_scripts/configs/tiny_moe.yaml", "--model_config", str(tmp_path / "model"), "--dataset",
-            str(tmp_path / "data.jsonl"), "--seq_len", str(SEQ), "--micro_batch_size", str(MBS),
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "training_scripts/train.py",
+            *_arguments(tmp_path, out, *extra)]
+
+
+def _arguments(tmp_path, out, *extra):
+    return ["--config", "training_scripts/configs/tiny_moe.yaml", "--model_config", str(tmp_path / "model"),
+            "--dataset", str(tmp_path / "data.jsonl"), "--seq_len", str(SEQ), "--micro_batch_size", str(MBS),
             "--n_microbatches", str(M), "--pp_size", "2", "--schedule", "1f1b", "--max_steps", "6",
             "--save_steps", "2", "--logging_steps", "1", "--report_to", "none", "--save_final", "false",
             "--seed", "3", "--output_dir", str(out), *extra]
@@ -60,8 +66,8 @@ def _mount(mount_point, size_bytes) -> bool:
 def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path, small_disk):
     _setup(tmp_path)
     reference = tmp_path / "reference"
-    done = subprocess.run(_command(tmp_path, reference), capture_output=True, text=True, env=_env(), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ran = train_py(2, _arguments(tmp_path, reference), tmp_path / "reference-logs")  # on the suite's pool
+    assert [code for code, _ in ran] == [0, 0], ran[0][1][-3000:]
     checkpoint_bytes = sum(f.stat().st_size for f in (reference / "checkpoint-2").iterdir())
     if not _mount(small_disk, int(checkpoint_bytes * 1.5) + 256 * 1024):  # one checkpoint, not two
         pytest.skip("mounting a tmpfs needs privileges this machine does not give")
@@ -97,7 +103,7 @@ def _immutable(path, on: bool) -> bool:
 def test_an_output_dir_that_becomes_unwritable_stops_the_run_and_the_last_checkpoint_still_loads(tmp_path):
     _setup(tmp_path)
     out = tmp_path / "run"
-    run = subprocess.Popen(_command(tmp_path, out, "--max_steps", "30"), stdout=subprocess.DEVNULL,
+    run = subprocess.Popen(_command(tmp_path, out, "--max_steps", str(UNWRITABLE_STEPS)), stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.time() + 300
@@ -115,8 +121,9 @@ def test_an_output_dir_that_becomes_unwritable_stops_the_run_and_the_last_checkp
     assert "Operation not permitted" in stderr and "the previous checkpoint is kept" in stderr
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"] and not list(out.glob("*.partial"))
     verify_checkpoint(out / "checkpoint-2")
-    resumed = subprocess.run(_command(tmp_path, out, "--max_steps", "30", "--resume_from_checkpoint", "latest"),
+    resumed = subprocess.run(_command(tmp_path, out, "--max_steps", str(UNWRITABLE_STEPS),
+                                      "--resume_from_checkpoint", "latest"),
                              capture_output=True, text=True, env=_env(), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / 'checkpoint-2'} after step 2" in resumed.stderr
-    assert sorted(_losses(out)) == list(range(1, 31))
+    assert sorted(_losses(out)) == list(range(1, UNWRITABLE_STEPS + 1))

@@ -1,14 +1,15 @@
 """A rank killed with SIGKILL mid-run loses nothing that was checkpointed, and resuming continues the
 same trajectory bitwise.
 
-Three runs of training_scripts/train.py under torchrun (pp = 2, 1F1B or PipeDream-2BW, AdamW + Error
-Feedback, fp32, fixed seeds, save_steps 3; 2BW saves with microbatches in flight): one straight
-through; one whose rank 1 is SIGKILLed — under 1F1B once a checkpoint exists, under 2BW in the middle
-of its second save (tests/faults.py), which must leave only a `.partial` directory that `latest`
-passes over; then the same command with `--resume_from_checkpoint latest`. Every checkpoint that the
-killed run left marked complete verifies (sizes and checksums of all its files), and the resumed
-run's per-step losses (metrics.jsonl, including the steps logged before the kill) and exported
-weights equal the straight run's exactly.
+Three runs of training_scripts/train.py (pp = 2, 1F1B or PipeDream-2BW, AdamW + Error Feedback,
+fp32, fixed seeds, save_steps 3; 2BW saves with microbatches in flight): one straight through; one
+whose rank 1 is SIGKILLed — under 1F1B once a checkpoint exists, under 2BW in the middle of its
+second save (tests/faults.py), which must leave only a `.partial` directory that `latest` passes
+over; then the same command with `--resume_from_checkpoint latest`. The killed and resumed runs are
+torchrun launches; the straight one runs train.py's main on ranks of the suite's pool. Every
+checkpoint that the killed run left marked complete verifies (sizes and checksums of all its files),
+and the resumed run's per-step losses (metrics.jsonl, including the steps logged before the kill)
+and exported weights equal the straight run's exactly.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import torch
 from safetensors.torch import load_file
 
 from hf_asyncpp.checkpoint.checkpoints import find_checkpoint, list_checkpoints, verify_checkpoint
+from tests.ranks import train_py
 from tests.test_engine import small_model_config
 from tests.test_run import _env
 
-SEQ, MBS, M, STEPS, SAVE_EVERY = 16, 2, 4, 30, 3
+SEQ, MBS, M, STEPS, SAVE_EVERY = 16, 2, 4, 15, 3  # 1F1B: the kill after step 3 leaves 12 to spare
 
 
 def _setup(tmp_path):
@@ -42,7 +44,11 @@ def _setup(tmp_path):
 
 def _command(tmp_path, out, schedule, *extra, script="training_scripts/train.py"):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-            "--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
+            *_arguments(tmp_path, out, schedule, *extra)]
+
+
+def _arguments(tmp_path, out, schedule, *extra):
+    return ["--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
             "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches", str(M), "--pp_size", "2",
             "--schedule", schedule, "--optimizer", "adamw", "--ef", "true", "--learning_rate", "3e-3",
             "--warmup_steps", "3", "--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY),
@@ -59,7 +65,9 @@ def _losses(out) -> dict[int, float]:
 def test_a_run_killed_mid_training_resumes_from_its_latest_checkpoint_bitwise(tmp_path, schedule):
     _setup(tmp_path)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run(_command(tmp_path, straight, schedule), check=True, env=_env(), capture_output=True, timeout=600)
+    # The straight run, the reference: train.py's main on two ranks of the suite's pool.
+    ran = train_py(2, _arguments(tmp_path, straight, schedule), tmp_path / "straight-logs")
+    assert [code for code, _ in ran] == [0, 0], ran[0][1][-3000:]
 
     if schedule == "pipedream-2bw":  # rank 1 dies inside the save of step 6
         launcher = subprocess.Popen(_command(tmp_path, killed, schedule, script="tests/faults.py"),

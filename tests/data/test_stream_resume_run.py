@@ -1,7 +1,8 @@
 """End to end through training_scripts/train.py under torchrun: a streamed, shuffled jsonl corpus,
 a run stopped by SIGTERM at a known step (tests/faults.py) and continued with `resume_from_checkpoint:
-latest` logs bitwise the losses of the run that was never stopped, and it continued the stream from the
-checkpoint's saved positions (one per dp rank) rather than replaying it.
+latest` logs bitwise the losses of the run that was never stopped (train.py's main on two ranks of the
+suite's pool), and it continued the stream from the checkpoint's saved positions (one per dp rank)
+rather than replaying it.
 
 Two layouts: PipeDream-2BW at pp 2 (its loop asks for step k+1's rows before step k's, and the
 checkpoint has step k+1's microbatches in flight) and 1F1B at dp 2 (two positions, one per dp rank,
@@ -18,6 +19,7 @@ import sys
 
 import pytest
 
+from tests.ranks import train_py
 from tests.test_engine import small_model_config
 from tests.test_run import _env
 
@@ -39,7 +41,11 @@ def _setup(tmp_path):
 
 def _command(tmp_path, out, schedule, pp_size, script="training_scripts/train.py"):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-            "--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "corpus"), "--streaming", "true",
+            *_arguments(tmp_path, out, schedule, pp_size)]
+
+
+def _arguments(tmp_path, out, schedule, pp_size):
+    return ["--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "corpus"), "--streaming", "true",
             "--shuffle", "true", "--shuffle_window", "16", "--seq_len", "16", "--micro_batch_size", "2",
             "--n_microbatches", "2", "--pp_size", str(pp_size), "--schedule", schedule, "--optimizer", "adamw",
             "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_steps", str(STEPS), "--save_final", "false",
@@ -56,8 +62,8 @@ def _losses(out) -> dict[int, float]:
 def test_a_stopped_streamed_run_resumed_from_latest_logs_the_uninterrupted_losses_bitwise(tmp_path, schedule, pp_size):
     _setup(tmp_path)
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    subprocess.run(_command(tmp_path, straight, schedule, pp_size), check=True, env=_env(), capture_output=True,
-                   timeout=600)
+    ran = train_py(2, _arguments(tmp_path, straight, schedule, pp_size), tmp_path / "straight-logs")
+    assert [code for code, _ in ran] == [0, 0], ran[0][1][-3000:]
 
     first = subprocess.run(_command(tmp_path, stopped, schedule, pp_size, script="tests/faults.py"),
                            env={**_env(), "SIGTERM_AT_STEP": str(STOP_SIGNALLED_AT)}, capture_output=True, text=True,

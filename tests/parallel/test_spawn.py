@@ -97,8 +97,10 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pool():
+    """One pool for the module's tests: each starts from whatever the one before left (ranks that
+    served other runs, or none after a failure), as the suite's own pool (tests/ranks.py) does."""
     pool = RankPool()
     yield pool
     pool.close()
@@ -172,6 +174,7 @@ def _interrupt(signum, frame):
 
 
 def test_a_run_that_does_not_finish_in_time_names_the_stuck_ranks(pool, capfd):
+    pool.close()  # ranks started under capfd write their stacks where it reads them
     pool.run(2, _disturb_then_report, False)  # started: the hang, not the start-up, outlasts the timeout
     with pytest.raises(AssertionError, match=r"ranks \[0, 1\] did not finish within 5 s"):
         pool.run(2, _hang, timeout_s=5)
