@@ -4,8 +4,9 @@ The model is cut into the stages the schedule would have at depth `emulate_pp_si
 run one after another in this process. Each stage's parameters carry that stage's delay in the
 staleness emulator (optim/delay.py), each stage has its own optimizer and LR schedule, clips by the
 norm of its unit's gradient over all stages as the pipeline does (its own with grad_clip_scope:
-stage), and updates per minibatch or per microbatch as the schedule does. So a researcher without a pipeline runs the experiment a pipeline would: PipeDream-2BW (every stage one update
-stale), WPipe (first half stale, second half fresh) or PipeDream (stage s p−1−s updates stale).
+stage), and updates per minibatch or per microbatch as the schedule does. So a researcher without a
+pipeline runs the experiment a pipeline would: PipeDream-2BW (every stage one update stale), WPipe
+(first half stale, second half fresh) or PipeDream (stage s p−1−s updates stale).
 
 DeepSeek-V3's routing biases follow the rule of their stage's weights (models/routing_bias.py): a
 unit routes with the biases its weights' version had (d updates old), and the bias update of a

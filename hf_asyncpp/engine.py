@@ -5,8 +5,8 @@ which runs forward/backward of n_microbatches microbatches over this rank's stag
 gradients over the dp group; clip by the global norm (all stages, all dp ranks); step the optimizer
 and the LR schedule — unless that norm is non-finite: then the update is skipped (updates.py,
 resilience.py). Asynchronous pipelines update each stage when the order says (its REDUCE_GRAD), held
-until the global norm is in where clipping needs it. The minibatch loss is the mean of the microbatch losses (torch's runtime divides gradients by
-n_microbatches), as in gradient accumulation.
+until the global norm is in where clipping needs it. The minibatch loss is the mean of the microbatch
+losses (torch's runtime divides gradients by n_microbatches), as in gradient accumulation.
 """
 
 from __future__ import annotations
