@@ -188,3 +188,22 @@ def test_a_dense_model_config_has_the_parameter_count_its_readme_row_states(name
     # Untied: the pipeline and the emulator at depth > 1 cannot split a shared embedding.
     assert model_config.model_type == "llama" and not model_config.tie_word_embeddings
     assert model_config.vocab_size == 49152 and model_config.max_position_embeddings >= 2048
+
+
+def test_the_cpu_study_model_has_the_size_its_readme_states_and_its_own_reproducible_tokenizer(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(REPO)
+    directory = MODELS / "moe_cpu_1m"
+    model_config = build_config(str(directory / "config.json"))
+    total, _ = parameter_counts(model_config)
+    embeddings = 2 * model_config.vocab_size * model_config.hidden_size  # untied
+    assert (round(total / 1e6, 2), round((total - embeddings) / 1e6, 2)) == (1.14, 0.94)  # as its README says
+    assert len(AutoTokenizer.from_pretrained(str(directory))) == model_config.vocab_size == 2048
+    # The README's command rebuilds the checked-in tokenizer byte for byte (BPE training is deterministic).
+    subprocess.run([sys.executable, "training_scripts/build_tokenizer.py", "--vocab-size", "2048", "--out",
+                    str(tmp_path)], check=True, capture_output=True)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()

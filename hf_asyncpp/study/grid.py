@@ -129,10 +129,11 @@ class Study:
         raise StudyError(f"no learning rate chosen for {optimizer} at momentum {momentum:g}")
 
     def arms(self, chosen_lr: Mapping) -> list[Arm]:
-        """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`)."""
+        """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`), seed
+        by seed: a grid run in parts has finished its first seeds' every arm before starting the next."""
         arms = []
-        for optimizer, (schedule, depth, sync_steps), momentum, seed in itertools.product(
-                self.learning_rates, self.modes, self.momentums, self.seeds):
+        for seed, optimizer, (schedule, depth, sync_steps), momentum in itertools.product(
+                self.seeds, self.learning_rates, self.modes, self.momentums):
             if schedule == "sync" and self.launch == "pipeline":
                 depth = self.depth  # a 1F1B pipeline as deep as the delayed arms: the same numerics as one rank
             lr = self.learning_rate(chosen_lr, optimizer, momentum)

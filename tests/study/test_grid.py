@@ -46,6 +46,15 @@ def test_each_optimizer_and_momentum_pair_uses_its_own_chosen_learning_rate(tmp_
         assert arm.learning_rate == chosen[(arm.optimizer, arm.momentum)]
 
 
+def test_arms_come_seed_by_seed_so_a_grid_run_in_parts_finishes_whole_seeds_first(tmp_path):
+    study = _study(tmp_path)
+    seeds = [arm.seed for arm in study.arms(study.first_learning_rates())]
+    assert seeds == sorted(seeds) and len(set(seeds)) == 2
+    first_seed = {(a.optimizer, a.mode, a.ef_lambda, a.momentum) for a in study.arms(study.first_learning_rates())
+                  if a.seed == 0}
+    assert len(first_seed) == len(seeds) // 2  # every other setting is in the first seed
+
+
 def test_a_learning_rate_keyed_by_optimizer_alone_applies_to_all_its_momentum_values(tmp_path):
     study = _study(tmp_path)
     arms = study.arms({"adamw": 1.0e-3, ("muon", 0.95): 2.0e-2, "muon": 5.0e-2})
