@@ -92,21 +92,23 @@ def _data_facts(config) -> dict:
     return dict(name=str(config.dataset), description=f"Local data: `{config.dataset}`.")
 
 
-def _origin(config, exported_from: str | None) -> dict:
-    """Where the weights started and which state was exported: `init_from` (a Hub id is the card's
-    base_model; a local directory is not one, as in transformers' own cards) and, for an export of a
-    training checkpoint, its name."""
-    start = config.init_from
+def _origin(config, exported_from: str | None, started_from: str | None) -> dict:
+    """Where the weights started and which state was exported: `init_from`, or what a front end says
+    its model's weights were loaded from (`started_from`); a Hub id is the card's base_model, a local
+    directory is not one, as in transformers' own cards; for an export of a training checkpoint, its name."""
+    start = started_from or config.init_from
     return dict(init_from=start, base_model=start if start and not os.path.isdir(start) else None,
                 exported_from=exported_from, license=config.license, language=config.language)
 
 
 def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_record: dict, spec,
-                     data_description: str | None = None, exported_from: str | None = None) -> dict:
+                     data_description: str | None = None, exported_from: str | None = None,
+                     started_from: str | None = None) -> dict:
     """Everything the template shows, from the run's config, the HF model config, (pp, dp), the last
     metrics record and the schedule spec. `data_description`: what the data was, in a front end's own
     words (datasets handed over in memory, which `config.dataset` cannot name); it replaces the
-    description derived from `config.dataset`. `exported_from`: the training checkpoint exported."""
+    description derived from `config.dataset`. `exported_from`: the training checkpoint exported.
+    `started_from`: where a front end's model was loaded from (None: from scratch, or `init_from`)."""
     import torch
     import transformers
 
@@ -127,7 +129,7 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
     data = _data_facts(config) if data_description is None else dict(
         name=_first_line(data_description), description=data_description)
     return dict(architecture=_architecture(model_config), training=training, data=data,
-                origin=_origin(config, exported_from), versions={"hf_asyncpp": hf_asyncpp.__version__, "transformers": transformers.__version__,
+                origin=_origin(config, exported_from, started_from), versions={"hf_asyncpp": hf_asyncpp.__version__, "transformers": transformers.__version__,
                           "torch": torch.__version__, "python": platform.python_version()})
 
 
@@ -164,10 +166,12 @@ def render_model_card(facts: dict, model_name: str, repo_id: str | None = None, 
 
 def run_model_card(config, model_config, layout_sizes: tuple[int, int], spec, last_record: dict,
                    final_eval: dict | None = None, data_description: str | None = None, repo_id: str | None = None,
-                   model_name: str | None = None, exported_from: str | None = None) -> str:
+                   model_name: str | None = None, exported_from: str | None = None,
+                   started_from: str | None = None) -> str:
     """The card text of a run's export: named after repo_id, else `model_name`, else output_dir;
     `final_eval` (eval_loss, eval_perplexity) becomes the model-index results."""
-    facts = model_card_facts(config, model_config, layout_sizes, last_record, spec, data_description, exported_from)
+    facts = model_card_facts(config, model_config, layout_sizes, last_record, spec, data_description, exported_from,
+                             started_from)
     name = repo_id.split("/")[-1] if repo_id else model_name or Path(config.output_dir).name
     results = eval_results(final_eval, facts["data"]["name"]) if final_eval else None
     return render_model_card(facts, name, repo_id=repo_id, eval_results=results).content
@@ -188,7 +192,7 @@ def checkpoint_model_card(run_state: dict, model_config, model_name: str) -> str
                           get_schedule_spec(config.schedule), run_state.get("last_record") or {},
                           last_eval if last_eval and last_eval.get("step") == step else None,
                           run_state.get("data_description"), config.hub_model_id, model_name,
-                          exported_from=f"checkpoint-{step}")
+                          exported_from=f"checkpoint-{step}", started_from=run_state.get("started_from"))
 
 
 def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, private: bool = False,

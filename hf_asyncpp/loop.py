@@ -164,6 +164,7 @@ class TrainingLoop:
         self.end_step = config.max_steps
         self.terminated_at: int | None = None  # the step after which a SIGTERM ended the run
         self.data_description: str | None = None  # the card's data section, when not config.dataset's
+        self.started_from: str | None = None  # where a front end's model was loaded from, for the card
         self.writer = self.reporters = None  # opened at the first record (main process)
 
     def resume(self, resume_from: str) -> None:
@@ -301,7 +302,8 @@ class TrainingLoop:
 
         run_state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
                      "nonfinite": self.engine.guard.state_dict(), "last_record": self.last_record,
-                     "last_eval": self.last_eval, "data_description": self.data_description}
+                     "last_eval": self.last_eval, "data_description": self.data_description,
+                     "started_from": self.started_from}
         trainer_state = dataclasses.asdict(self.hooks.trainer_state(self, step))
         return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, run_state,
                                self.config.save_total_limit, trainer_state, self.model_config, self.tokenizer,
@@ -327,7 +329,8 @@ class TrainingLoop:
         from .hub import run_model_card
 
         return run_model_card(self.config, self.model_config, (self.layout.pp_size, self.layout.dp_size),
-                              self.engine.spec, self.last_record, self.final_eval, self.data_description, repo_id)
+                              self.engine.spec, self.last_record, self.final_eval, self.data_description, repo_id,
+                              started_from=self.started_from)
 
     def export(self, out_dir: str | Path, repo_id: str | None = None) -> Path:
         """The HF model (safetensors, config, tokenizer, model card) in `out_dir` (collective)."""

@@ -17,8 +17,9 @@ reaches the usual integration callbacks; checkpoints are the pipeline's (sharded
 output_dir/checkpoint-<step>, with the Trainer's state in trainer_state.json (log history, best
 metric, callbacks' states; `TrainerState.load_from_json` reads it); `save_model` writes the HF export
 (output_dir/final unless told otherwise), pushed as Trainer pushes (push_to_hub, hub_strategy end /
-every_save, hub_revision), and the card describes what was really done (pretraining
-from scratch, the optimizer, the schedule). Gradient clipping is by the global norm over all stages
+every_save, hub_revision), and the card describes what was really done (pretraining from
+scratch, or training from the weights `from_pretrained` loaded the model from; the optimizer, the
+schedule). Gradient clipping is by the global norm over all stages
 and dp ranks (updates.py), or each asynchronous stage's own with the pipeline config's
 `grad_clip_scope: stage`.
 """
@@ -47,6 +48,15 @@ __all__ = ["AsyncPPTrainer", "AsyncPPTrainingArguments"]
 # optimizer from the arguments and feeds packed token blocks without a collator.
 _UNSUPPORTED = ("data_collator", "model_init", "compute_loss_func", "compute_metrics", "optimizers",
                 "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics")
+
+
+def _loaded_from(model) -> str | None:
+    """Where `from_pretrained` loaded the model's weights from (its name_or_path), or None for a model
+    built from a config. name_or_path alone cannot tell (a config read from a directory or Hub id names
+    it too): transformers marks each parameter it loads with `_is_hf_initialized`
+    (tests/test_trainer.py pins that)."""
+    loaded = any(getattr(p, "_is_hf_initialized", False) for p in model.parameters())
+    return (model.name_or_path or None) if loaded else None
 
 
 def _rows_length(dataset) -> int | None:
@@ -221,6 +231,7 @@ class AsyncPPTrainer(Trainer):
                               "pass eval_dataset or set eval_strategy to 'no'")
         if args.eval_on_start and eval_dataset is None:
             raise ConfigError("eval_on_start is set but there is no eval_dataset: pass eval_dataset")
+        started_from = _loaded_from(model)  # before anything moves or cuts the model
         config = self._config_for(args, model.config, train_dataset, eval_dataset, processing_class)
         data = self._prepare_data(args, config, model, train_dataset, eval_dataset, processing_class)
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -230,6 +241,7 @@ class AsyncPPTrainer(Trainer):
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.loop = self._start_pipeline(config, model, data, processing_class)
         self.loop.data_description = _describe(train_dataset, eval_dataset)
+        self.loop.started_from = started_from
         self._trained = False
 
     def is_world_process_zero(self) -> bool:

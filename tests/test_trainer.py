@@ -213,6 +213,72 @@ def test_save_strategy_best_saves_after_the_evaluations_that_improve_the_metric(
     assert best_checkpoint == (str(tmp_path / "best" / f"checkpoint-{best_step}") if best_step in saved else None)
 
 
+def _train_and_card(rank, world_size, corpus, out, model_source):
+    """A rank target: a one-rank Trainer run of a model built as `model_source` says, saving at step 2;
+    returns the export's card and the card `hf-asyncpp export` writes for the checkpoint."""
+    from datasets import load_dataset
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp import AsyncPPTrainer, AsyncPPTrainingArguments
+    from hf_asyncpp.hub import checkpoint_model_card
+    from hf_asyncpp.models import build_model
+    from hf_asyncpp.parallel.mesh import shutdown_parallel
+
+    if model_source == "from_pretrained":
+        model = AutoModelForCausalLM.from_pretrained(str(corpus / "weights"))
+    else:  # a config read from the same directory: its name_or_path is that directory too
+        model = build_model(AutoConfig.from_pretrained(str(corpus / "weights")), 5)
+    args = AsyncPPTrainingArguments(
+        output_dir=str(out), schedule="1f1b", pp_size=1, n_microbatches=2, per_device_train_batch_size=2,
+        max_steps=2, save_steps=2, report_to="none", seed=5)
+    trainer = AsyncPPTrainer(model=model, args=args,
+                             train_dataset=load_dataset("json", data_files=str(corpus / "train.jsonl"), split="train"))
+    trainer.train()
+    trainer.save_model()
+    shutdown_parallel()
+    state = json.loads((out / "checkpoint-2" / "pipeline_state.json").read_text())
+    return (out / "final" / "README.md").read_text(), checkpoint_model_card(state, model.config, "exported")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("model_source", ["from_pretrained", "from_config"])
+def test_the_card_says_which_weights_the_given_model_started_from(corpus, tmp_path, model_source):
+    """A model from_pretrained loaded is trained from those weights (as transformers' own cards say);
+    a model built from a config is pretrained from scratch, though the config came from the same
+    directory. The checkpoint's card says the same."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.ranks import run_ranks
+
+    weights = corpus / "weights"
+    if not weights.is_dir():
+        config = small_model_config("tiny-qwen3-moe")
+        config.vocab_size = 8192  # the corpus's token ids
+        AutoModelForCausalLM.from_config(config).save_pretrained(weights)
+    [cards] = run_ranks(1, _train_and_card, corpus, tmp_path / "run", model_source)
+    for card in cards:
+        if model_source == "from_pretrained":
+            assert f"from the weights of the local model directory `{weights}`" in card
+            assert "from scratch" not in card and "base_model" not in card.split("---")[1]
+        else:
+            assert "pretrained from scratch with hf_asyncpp" in card and "from the weights" not in card
+
+
+def test_only_weights_transformers_loaded_count_as_where_a_model_started(tmp_path):
+    """Pins transformers' private mark of loaded parameters (`_is_hf_initialized`), which
+    `_loaded_from` reads: from_pretrained sets it on every parameter, from_config on none."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_asyncpp.trainer import _loaded_from
+
+    AutoModelForCausalLM.from_config(small_model_config("tiny-qwen3-moe")).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert all(getattr(p, "_is_hf_initialized", False) for p in loaded.parameters())
+    assert _loaded_from(loaded) == str(tmp_path)
+    built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path)))
+    assert built.name_or_path == str(tmp_path) and _loaded_from(built) is None
+
+
 # --- bad input: one ConfigError, no process group, nothing written ---------------------------------
 
 def _dataset(rows):
