@@ -21,8 +21,10 @@ commands:
                                             a training checkpoint (any pp × dp layout) as an HF model
                                             directory (weights, config, tokenizer, card), on one
                                             process; dtype: the run's export_dtype unless given
-  push DIR REPO_ID [--private]               upload an exported model directory (e.g. outputs/run/final)
-                                            to the Hub; the token comes from HF_TOKEN or `hf auth login`
+  push DIR REPO_ID [--private] [--revision BRANCH]
+                                            upload an exported model directory (e.g. outputs/run/final)
+                                            to the Hub (its branch BRANCH, created if missing); the
+                                            token comes from HF_TOKEN or `hf auth login`
   plot RUN_DIR [RUN_DIR ...] [--out FILE] [--x step|tokens]
                                             loss curves from metrics.jsonl: one run to
                                             RUN_DIR/loss_curves.png, several to ./loss_comparison.png
@@ -67,9 +69,10 @@ def _push(argv: list[str]) -> int:
     parser.add_argument("folder")
     parser.add_argument("repo_id")
     parser.add_argument("--private", action="store_true")
+    parser.add_argument("--revision", help="the branch to upload to (created if missing; default: main)")
     args = parser.parse_args(argv)
     try:
-        url = push_to_hub(args.folder, args.repo_id, private=args.private)
+        url = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision)
     except Exception as err:  # network, auth, server: one line, local files untouched
         print(f"error: upload of {args.folder} to {args.repo_id} failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

@@ -122,6 +122,9 @@ class TrainConfig:
     push_to_hub: bool = _key(False, "upload final/ to hub_model_id at the end (token from HF_TOKEN or "
                              "`hf auth login`)")
     hub_model_id: str | None = _key(None, "the Hub repository, namespace/name")
+    hub_revision: str | None = _key(None, "the branch push_to_hub uploads to (created if missing; default: main)")
+    hub_private_repo: bool = _key(False, "push_to_hub creates the repository private (an existing one keeps its "
+                                  "visibility)")
     max_shard_size: str = _key("5GB", "the export's weights: one model.safetensors below this size, per-stage shards "
                                "and an index above it")
     export_dtype: str = _key("float32", "the export's weights: float32, or bfloat16 (cast from the fp32 masters)")

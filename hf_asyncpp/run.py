@@ -49,12 +49,15 @@ def _set_threads(config, launch) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-def _push(folder: Path, repo_id: str) -> str | None:
-    """Upload the export; the error message (the local files are kept) or None."""
+def _push(folder: Path, config) -> str | None:
+    """Upload the export to config.hub_model_id (its branch hub_revision); the error message (the
+    local files are kept) or None."""
     from .hub import push_to_hub
 
+    repo_id = config.hub_model_id
     try:
-        logger.info(f"pushed to {repo_id}: {push_to_hub(folder, repo_id)}")
+        url = push_to_hub(folder, repo_id, private=config.hub_private_repo, revision=config.hub_revision)
+        logger.info(f"pushed to {repo_id}: {url}")
         return None
     except Exception as err:  # network, auth, server
         message = f"upload of {folder} to {repo_id} failed ({type(err).__name__}: {err}); the export is kept"
@@ -96,7 +99,7 @@ def train(config, model_config, launch) -> dict:
             if config.save_final:
                 out = loop.export(Path(config.output_dir) / "final", config.hub_model_id)
                 if layout.is_main and config.push_to_hub:
-                    record["push_error"] = _push(out, config.hub_model_id)
+                    record["push_error"] = _push(out, config)
             return record
     except Exception as err:
         # Raised by every rank at the same point: they can still meet at the final barrier.

@@ -24,6 +24,7 @@ class LoopbackHub:
         self.received: dict[str, dict[str, bytes]] = {}  # repo id → path → content
         self.requests: list[tuple[str, str, dict]] = []  # (method, path, headers)
         self.commits: list[tuple[str, str, str]] = []  # (repo id, branch, commit summary)
+        self.created: dict[str, dict] = {}  # repo id: the creation request (its "visibility")
         self.fail_commits = False
         hub = self
 
@@ -46,6 +47,7 @@ class LoopbackHub:
                 if path == "/api/repos/create":
                     request = json.loads(body)
                     repo = f"{request.get('organization') or 'user'}/{request['name']}"
+                    hub.created[repo] = request
                     return self._reply(200, {"url": f"{hub.endpoint}/{repo}", "name": repo, "id": repo})
                 if path == "/api/validate-yaml":
                     return self._reply(200, {"errors": [], "warnings": []})

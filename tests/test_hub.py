@@ -180,11 +180,13 @@ def test_a_failed_upload_reports_the_error_and_keeps_the_local_files(tmp_path):
 
 def test_train_py_writes_the_card_and_pushes_the_export(tmp_path):
     """train.py with push_to_hub: the card lands in final/README.md and on the (loopback) Hub beside the
-    weights; the token is in no file the run wrote."""
+    weights, on the branch hub_revision of a repository created private; the token is in no file the
+    run wrote."""
     out = tmp_path / "run"
     command = [sys.executable, "training_scripts/train.py", "--config", "training_scripts/configs/tiny_moe.yaml",
                "--max_steps", "2", "--seq_len", "32", "--micro_batch_size", "2", "--output_dir", str(out),
-               "--push_to_hub", "true", "--hub_model_id", "someone/tiny-moe"]
+               "--push_to_hub", "true", "--hub_model_id", "someone/tiny-moe", "--hub_revision", "dev",
+               "--hub_private_repo", "true"]
     with LoopbackHub() as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0", "HF_TOKEN": TOKEN,
                "HF_HUB_DISABLE_XET": "1"}
@@ -193,6 +195,8 @@ def test_train_py_writes_the_card_and_pushes_the_export(tmp_path):
     card = (out / "final" / "README.md").read_text()
     assert "pp = 1 × dp = 1" in card and "someone/tiny-moe" in card
     files = hub.received["someone/tiny-moe"]
+    assert [(repo, branch) for repo, branch, _ in hub.commits] == [("someone/tiny-moe", "dev")]
+    assert hub.created["someone/tiny-moe"]["visibility"] == "private"
     assert files["README.md"].decode() == card and "model.safetensors" in files and "tokenizer.json" in files
     written = [p for p in out.rglob("*") if p.is_file()]
     assert written and all(TOKEN.encode() not in p.read_bytes() for p in written)
