@@ -82,9 +82,9 @@ def _serve(tasks, results) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         try:
-            reply = (rank, "ok", target(rank, world_size, *args))
-            # Pickled here, as the queue will: a reply its feeder thread fails to pickle never arrives.
-            ForkingPickler.dumps(reply)
+            # Pickled here rather than by the queue, whose feeder thread would drop a reply it fails to
+            # pickle: the parent would never hear of it. The queue then only moves these bytes.
+            reply = (rank, "ok", bytes(ForkingPickler.dumps(target(rank, world_size, *args))))
         except BaseException:  # report everything, including assertion errors, to the parent
             reply = (rank, "error", traceback.format_exc())
         left_a_group = dist.is_initialized()
@@ -161,7 +161,7 @@ class RankPool:
                                          "are on stderr") from None
             if status != "ok":
                 raise AssertionError(f"rank {rank}:\n{value}")
-            results[rank] = value
+            results[rank] = ForkingPickler.loads(value)
             if not reusable:
                 self._procs[rank].join(timeout=30)
         return [results[r] for r in range(world_size)]
