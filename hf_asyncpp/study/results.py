@@ -12,7 +12,10 @@ same optimizer, momentum and seed, and its EF share against its own EF-off twin 
 - `ef_recovered`: for an EF arm, the share of its EF-off twin's gap that EF removes,
   (gap_off − gap_ef) / gap_off; undefined (None) when the twin shows no gap to recover.
 
-Written as results.json (rows and every arm's loss), results.csv and results.md.
+Written as results.json (rows and every arm's loss), results.csv and results.md, and summary.md: the
+same rows pivoted to one line per (optimizer, momentum, EF λ) and one column per delayed mode, each
+cell the gap ± its paired seed spread (seeds), and a second table of EF's share per mode — the
+comparison across depths and schedules that the study's claims are about, at a glance.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["collect_arms", "results_rows", "write_results"]
+__all__ = ["collect_arms", "results_rows", "summary_markdown", "write_results"]
 
 COLUMNS = ("optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
            "gap", "gap_std", "ef_recovered")
@@ -71,6 +74,46 @@ def results_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _delayed_modes(rows: list[dict]) -> list[str]:
+    """The delayed modes in the order of the table's rows (schedule, then depth, sync start last)."""
+    modes = {r["mode"] for r in rows if r["mode"] != "sync"}
+    return sorted(modes, key=lambda m: ("+" in m, m.split("@")[0], int(m.split("@")[1].split("+")[0])))
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    """summary.md: gaps per (optimizer, momentum, EF λ) × delayed mode, then EF's share per mode."""
+    modes = _delayed_modes(rows)
+    by_key = {(r["optimizer"], r["momentum"], r["ef_lambda"], r["mode"]): r for r in rows}
+    pairs = sorted({(r["optimizer"], r["momentum"]) for r in rows})
+    lambdas = sorted({r["ef_lambda"] for r in rows})
+
+    def gap(row) -> str:
+        if row is None or row["gap"] is None:
+            return "–"
+        return f"{row['gap']:+.3f} ± {row['gap_std']:.3f} ({row['seeds']})"
+
+    lines = ["Gap to sync: validation loss − the sync arm's (same optimizer, momentum and seed), mean ± standard",
+             "deviation of the paired differences (seeds).", "",
+             "| optimizer | momentum | EF λ | sync val_loss | " + " | ".join(modes) + " |",
+             "|---|---|---|---|" + "---|" * len(modes)]
+    for optimizer, momentum in pairs:
+        sync = by_key.get((optimizer, momentum, 0.0, "sync"))
+        base = f"{sync['val_loss']:.3f} ± {sync['val_loss_std']:.3f} ({sync['seeds']})" if sync else "–"
+        for ef in lambdas:
+            cells = [gap(by_key.get((optimizer, momentum, ef, mode))) for mode in modes]
+            lines.append(f"| {optimizer} | {momentum:g} | {ef:g} | {base} | " + " | ".join(cells) + " |")
+    if any(ef > 0 for ef in lambdas):
+        lines += ["", "Share of the EF-off gap that Error Feedback removes, (gap_off − gap_ef) / gap_off ('–': no",
+                  "gap to remove, or an arm not finished).", "",
+                  "| optimizer | momentum | EF λ | " + " | ".join(modes) + " |", "|---|---|---|" + "---|" * len(modes)]
+        for optimizer, momentum in pairs:
+            for ef in (ef for ef in lambdas if ef > 0):
+                cells = [_cell("ef_recovered", (by_key.get((optimizer, momentum, ef, mode)) or {}).get("ef_recovered"))
+                         for mode in modes]
+                lines.append(f"| {optimizer} | {momentum:g} | {ef:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _cell(column: str, value) -> str:
     if value is None:
         return "–"
@@ -85,7 +128,7 @@ def _cell(column: str, value) -> str:
 
 def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: list[str]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
+    paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md", out_dir / "summary.md"]
     per_arm = {Arm.from_record(r).name: r["final_eval"]["eval_loss"] for r in records}
     paths[0].write_text(json.dumps({"rows": rows, "arms": per_arm, "failed_arms": failed}, indent=1))
     with open(paths[1], "w", newline="") as f:
@@ -97,5 +140,6 @@ def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: 
     if failed:
         lines += ["", f"Failed arms (not in the table): {', '.join(failed)}"]
     paths[2].write_text("\n".join(lines) + "\n")
+    paths[3].write_text(summary_markdown(rows))
     return paths
 
