@@ -16,7 +16,8 @@ from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_m
 from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, check_versions
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW
 from .sync_start import SyncStart
-from .validate import ScheduleError, check_schedule
+from .comm_plan import plan_program
+from .validate import ScheduleError, Timeline, check_program, check_schedule
 from .wpipe import WPIPE
 
 # Asynchronous orders are checked over this many consecutive steps: the first, a middle and the last.
@@ -83,6 +84,23 @@ class ScheduleSpec:
         n_stages = self.n_stages(pp_size)
         plan = SegmentPrograms(self.order, pp_size, n_microbatches, n_steps, stage_to_rank, n_stages)
         return {r: [e for k in range(n_steps) for e in plan.program(r, k)] + [None] for r in range(pp_size)}
+
+    def stage_to_rank(self, pp_size: int, stage: int) -> int:
+        return next(r for r in range(pp_size) if stage in self.stage_indices(pp_size, r))
+
+    def timeline(self, pp_size: int, n_microbatches: int, n_steps: int, cost, clip_globally: bool = False) -> Timeline:
+        """n_steps steps played as a timing model (validate.check_program with `cost(rank, action)`
+        seconds per action): synchronous schedules step after step, each flushed; asynchronous ones
+        as their runtime plans them, clipping by the global norm if `clip_globally`."""
+        n_stages, to_rank = self.n_stages(pp_size), lambda stage: self.stage_to_rank(pp_size, stage)
+        clipping = None
+        if self.order is None:
+            step = plan_program(self.make_actions(pp_size, n_microbatches), to_rank, n_stages)
+            program = {r: [e for _ in range(n_steps) for e in [*ops, None]] for r, ops in step.items()}
+        else:
+            program = self.programs(pp_size, n_microbatches, n_steps, to_rank)
+            clipping = GlobalClipping(self.order, pp_size, n_microbatches) if clip_globally else None
+        return check_program(program, to_rank, n_stages, clipping=clipping, cost=cost)
 
     def check_microbatches(self, pp_size: int, n_microbatches: int, clip_globally: bool = False) -> None:
         """Raise ValueError when this schedule cannot run n_microbatches on pp_size ranks (pipelined:

@@ -22,12 +22,20 @@ runtime executes) and plays every rank's program against the others under NCCL's
     post them for the same units in the same order (one stage per rank);
   - the play must finish: otherwise a deadlock, with what each stuck rank waits for.
 Any failure raises `ScheduleError` with the rank × time table, the offending step marked.
+
+The play is also a timing model (`cost`: seconds per compute or local action; messages and the norm
+all-reduce take none): each rank runs its program in order, an action starts when its rank is free
+and its inputs are there (a receive's batch complete, the global norm it waits for posted by every
+stage), and a batch completes when its rank and its peers have reached it. The `Timeline` it returns
+holds when each rank finished and how long it computed, so the wait a rule adds (global clipping, say)
+is the difference between two plays of the same programs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch.distributed.pipelining.schedules import (
@@ -50,13 +58,27 @@ from .comm_plan import P2PBatch, PlanError, Program, is_compute, matching_receiv
 if TYPE_CHECKING:
     from .async_order import GlobalClipping
 
-__all__ = ["ScheduleError", "check_program", "check_schedule"]
+__all__ = ["ScheduleError", "Timeline", "check_program", "check_schedule"]
 
 _BACKWARDS = (FULL_BACKWARD, BACKWARD_INPUT)
 
 
 class ScheduleError(AssertionError):
     pass
+
+
+@dataclass
+class Timeline:
+    """A timed play (check_program's `cost`): per rank, when its program ended and how long it computed."""
+    finish: dict[int, float]
+    busy: dict[int, float]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.finish.values())
+
+    def idle_fraction(self, rank: int) -> float:
+        return 1.0 - self.busy[rank] / self.makespan if self.makespan else 0.0
 
 
 def _fail(message: str, table, rank: int, step: int):
@@ -107,16 +129,20 @@ def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_micro
 
 
 class _Batch:
-    def __init__(self, rank: int, batch: P2PBatch, streams: set):
+    def __init__(self, rank: int, batch: P2PBatch, streams: set, posted_at: float):
         self.rank, self.batch, self.streams = rank, batch, streams
         self.done = [False] * len(batch.ops)
         self.channel_index: list[tuple[tuple[int, int], int, bool]] = []  # per op: (sender, receiver), k, is send
         self.complete = False
+        # Timing: it can start once posted and at the head of its streams; it completes with its last pair.
+        self.start_at, self.completed_at = posted_at, posted_at
 
 
 def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str = "pair",
-                  clipping: "GlobalClipping | None" = None) -> None:
-    """Play every rank's program under NCCL's rules (see the module docstring); raise ScheduleError."""
+                  clipping: "GlobalClipping | None" = None,
+                  cost: Callable[[int, _Action], float] | None = None) -> Timeline:
+    """Play every rank's program under NCCL's rules (see the module docstring); raise ScheduleError.
+    `cost(rank, action)`: the seconds a compute or local action takes (default: none)."""
     if streams not in ("pair", "rank"):
         raise ValueError(f"streams must be 'pair' or 'rank', got {streams!r}")
     sends: dict[tuple[int, int], list[tuple[_Action, _Batch]]] = {}  # (sender, receiver) → posted sends
@@ -129,7 +155,18 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
     done_backward: set[tuple[int, int]] = set()
     position = {r: 0 for r in program}
     norms_posted: dict[int, set[int]] = {}  # global clipping: update unit → stages that posted its norm
+    norm_posted_at: dict[int, float] = {}  # update unit → when its last norm was posted
     units_posted: dict[int, list[int]] = {r: [] for r in program}  # per rank, in posting order
+    clock = {r: 0.0 for r in program}  # when each rank's next entry can start
+    busy = {r: 0.0 for r in program}
+    seconds = cost or (lambda rank, action: 0.0)
+
+    def run(rank: int, ready: float, actions) -> float:
+        """Run `actions` on `rank` from `ready` (or when the rank is free); returns when they end."""
+        spent = sum(seconds(rank, a) for a in actions)
+        clock[rank] = max(clock[rank], ready) + spent
+        busy[rank] += spent
+        return clock[rank]
 
     def norm_missing(action: _Action) -> tuple[int, list[int]] | None:
         """(the unit, the stages yet to post its norm) when `action` waits for a global norm."""
@@ -139,7 +176,7 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
 
     def post(rank: int, step: int, batch: P2PBatch) -> None:
         peers = [peer_of(op, stage_to_rank) for op in batch.ops]
-        posted = _Batch(rank, batch, set(peers) if streams == "pair" else {"*"})
+        posted = _Batch(rank, batch, set(peers) if streams == "pair" else {"*"}, clock[rank])
         for op, peer in zip(batch.ops, peers):
             is_send = op.computation_type in (SEND_F, SEND_B)
             produced = done_forward if op.computation_type == SEND_F else done_backward
@@ -176,7 +213,10 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
 
     def try_run(rank: int, step: int, entry) -> bool:
         if entry is None:
-            return all(b.complete for b in send_batches[rank])
+            if not all(b.complete for b in send_batches[rank]):
+                return False
+            run(rank, max((b.completed_at for b in send_batches[rank]), default=0.0), ())
+            return True
         if isinstance(entry, P2PBatch):
             post(rank, step, entry)
             return True
@@ -185,12 +225,20 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
                 if norm_missing(entry):
                     return False
                 unit = clipping.unit_posted(entry)
+                awaited = clipping.unit_awaited(entry)
+                ended = run(rank, norm_posted_at.get(awaited, 0.0), (entry,))
                 norms_posted.setdefault(unit, set()).add(entry.stage_index)
+                norm_posted_at[unit] = max(norm_posted_at.get(unit, 0.0), ended)
                 units_posted[rank].append(unit)
+            else:
+                run(rank, 0.0, (entry,))
             return True
+        ready = 0.0
         for action in entry.sub_actions or (entry,):
             if norm_missing(action):
                 return False
+            awaited = clipping.unit_awaited(action) if clipping else None
+            ready = max(ready, norm_posted_at.get(awaited, 0.0))
             receive = needed_receive(action)
             if receive is not None:
                 batch = receive_batch.get((rank, receive))
@@ -199,6 +247,8 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
                     _fail(f"{action} runs without receiving its {what}", program, rank, step)
                 if not batch.complete:
                     return False
+                ready = max(ready, batch.completed_at)
+        run(rank, ready, entry.sub_actions or (entry,))
         for action in entry.sub_actions or (entry,):
             s, kind, mb = action.stage_index, action.computation_type, action.microbatch_index
             receive = needed_receive(action)
@@ -232,11 +282,17 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
                         other = theirs[k][1]
                         batch.done[i] = True
                         other.done[other.channel_index.index((channel, k, not is_send))] = True
+                        met_at = max(batch.start_at, other.start_at)
+                        batch.completed_at = max(batch.completed_at, met_at)
+                        other.completed_at = max(other.completed_at, met_at)
                         moved = True
                 if all(batch.done):
                     batch.complete = True
                     for stream in batch.streams:
-                        queues[(batch.rank, stream)].popleft()
+                        queue = queues[(batch.rank, stream)]
+                        queue.popleft()
+                        if queue:  # the next batch on this stream can start once this one is done
+                            queue[0].start_at = max(queue[0].start_at, batch.completed_at)
                     open_batches.remove(batch)
                     moved = True
             any_moved |= moved
@@ -271,3 +327,4 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
     if clipping and (len(orders) > 1 or any(len(set(u)) < len(u) for u in units_posted.values())):
         raise ScheduleError("global clipping all-reduces one norm per update on every rank, in the same order: the "
                             f"ranks post the norms of units {dict(units_posted)}; it needs one stage per rank")
+    return Timeline(finish=dict(clock), busy=dict(busy))

@@ -13,6 +13,8 @@ import re
 import pytest
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    FULL_BACKWARD,
     RECV_B,
     RECV_F,
     REDUCE_GRAD,
@@ -429,3 +431,49 @@ def test_global_norms_are_refused_where_a_rank_would_post_two_per_update():
     rank with the other stage's on the next (here WPipe's synchronous steps, which do not deadlock)."""
     with pytest.raises(ScheduleError, match="it needs one stage per rank"):
         get_schedule_spec("wpipe").starting_synchronously(2).actions(2, 4, clip_globally=True)
+
+
+# --- the timing model (check_program's `cost`) --------------------------------------------------
+
+F_COST, B_COST = 1.0, 2.0  # a backward costs two forwards
+
+
+def _cost(rank, action):
+    return {FORWARD: F_COST, FULL_BACKWARD: B_COST}.get(action.computation_type, 0.0)
+
+
+def _steady_step(spec, pp_size, m, clip_globally=False):
+    """A step's time once the pipeline is full: the makespan's growth per step from 3 to 5 steps."""
+    longer, shorter = (spec.timeline(pp_size, m, n, _cost, clip_globally).makespan for n in (5, 3))
+    return (longer - shorter) / 2
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp_size, m", [(2, 4), (4, 8), (8, 8), (8, 16)])
+def test_a_flushed_schedules_programs_take_the_textbook_time(name, pp_size, m):
+    """(m + p − 1)(F + B) and nothing more: a compute never waits for a message from the neighbour it
+    does not need (a rank posts one batch per peer, so a backward's gradient does not wait for the
+    next forward's activation from the other side)."""
+    timeline = get_schedule_spec(name).timeline(pp_size, m, 1, _cost)
+    assert timeline.makespan == (m + pp_size - 1) * (F_COST + B_COST)
+    assert set(timeline.busy.values()) == {m * (F_COST + B_COST)}
+
+
+@pytest.mark.parametrize("name", ["pipedream-2bw", "pipedream"])
+@pytest.mark.parametrize("pp_size, m", [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)])
+def test_an_asynchronous_schedule_runs_without_a_bubble_once_the_pipeline_is_full(name, pp_size, m):
+    assert _steady_step(get_schedule_spec(name), pp_size, m) == m * (F_COST + B_COST)
+
+
+@pytest.mark.parametrize("pp_size, m", [(2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16)])
+def test_clipping_pipedream_2bw_by_the_global_norm_makes_no_stage_wait(pp_size, m):
+    """The one-step delay leaves every held update time for all stages' norms to arrive."""
+    spec = get_schedule_spec("pipedream-2bw")
+    assert spec.timeline(pp_size, m, 4, _cost, clip_globally=True).finish == spec.timeline(pp_size, m, 4, _cost).finish
+
+
+def test_clipping_pipedream_by_the_global_norm_waits_for_the_first_stage_at_every_microbatch():
+    """PipeDream's later stages need each update right after their own backward (config validation
+    warns about this): the steady step grows by more than half."""
+    spec = get_schedule_spec("pipedream")
+    assert _steady_step(spec, 4, 8, clip_globally=True) > 1.5 * _steady_step(spec, 4, 8)
