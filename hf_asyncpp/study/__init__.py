@@ -28,12 +28,14 @@ logger = get_logger(__name__)
 TUNING = "tuning.json"
 
 
-def _tuning_record(trials: dict, chosen: dict) -> dict:
-    """tuning.json: every trial and every pick, one entry per (optimizer, momentum[, learning rate])."""
+def _tuning_record(trials: dict, chosen: dict, at_edge: set) -> dict:
+    """tuning.json: every trial and every pick, one entry per (optimizer, momentum[, learning rate]);
+    a pick that is the smallest or largest of three or more candidates is marked `at_edge`."""
     return {"format": 2,
             "trials": [dict(optimizer=o, momentum=m, learning_rate=lr, eval_loss=loss)
                        for (o, m), t in trials.items() for lr, loss in t.items()],
-            "chosen": [dict(optimizer=o, momentum=m, learning_rate=lr) for (o, m), lr in chosen.items()]}
+            "chosen": [dict(optimizer=o, momentum=m, learning_rate=lr, at_edge=(o, m) in at_edge)
+                       for (o, m), lr in chosen.items()]}
 
 
 def read_chosen(study: Study) -> dict[tuple[str, float], float]:
@@ -78,7 +80,14 @@ def _choose_learning_rates(study: Study, log) -> dict[tuple[str, float], float]:
             raise StudyError(f"every learning-rate trial of {optimizer} at momentum {momentum:g} failed "
                              f"(see {study.output_dir / 'arms'})")
         chosen[(optimizer, momentum)] = min(losses, key=losses.get)
-    (study.output_dir / TUNING).write_text(json.dumps(_tuning_record(trials, chosen), indent=1))
+    # With three or more candidates, a best one at either end says the optimum may lie beyond them.
+    at_edge = {pair for pair, losses in trials.items()
+               if len(losses) >= 3 and chosen[pair] in (min(losses), max(losses))}
+    for pair in sorted(at_edge):
+        end = "largest" if chosen[pair] == max(trials[pair]) else "smallest"
+        log(f"study: warning: {pair[0]}'s best learning rate at momentum {pair[1]:g}, {chosen[pair]:g}, is the {end} "
+            "of its candidates: the optimum may lie beyond them; add a candidate past it (finished arms are kept)")
+    (study.output_dir / TUNING).write_text(json.dumps(_tuning_record(trials, chosen, at_edge), indent=1))
     log("study: learning rates: " + ", ".join(f"{o} (momentum {m:g}) {lr:g}" for (o, m), lr in chosen.items()))
     return chosen
 

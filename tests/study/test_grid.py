@@ -78,7 +78,7 @@ def test_tuning_json_records_one_pick_per_optimizer_and_momentum(tmp_path):
     trials = {("adamw", 0.9): {1.0e-3: 5.0, 3.0e-3: 4.5}, ("adamw", 0.95): {1.0e-3: 4.4, 3.0e-3: 4.9}}
     chosen = {**study.first_learning_rates(), ("adamw", 0.9): 3.0e-3, ("adamw", 0.95): 1.0e-3}
     study.output_dir.mkdir(parents=True)
-    (study.output_dir / "tuning.json").write_text(json.dumps(_tuning_record(trials, chosen)))
+    (study.output_dir / "tuning.json").write_text(json.dumps(_tuning_record(trials, chosen, at_edge=set())))
     assert read_chosen(study) == chosen
     record = json.loads((study.output_dir / "tuning.json").read_text())
     assert {"optimizer": "adamw", "momentum": 0.95, "learning_rate": 1.0e-3, "eval_loss": 4.4} in record["trials"]
@@ -196,3 +196,28 @@ def test_the_figures_leave_sync_start_out_of_the_depth_trend(tmp_path):
             records.append(_record(arm, loss + seed / 10))
     written = {p.name for p in write_figures(tmp_path, results_rows(records), records)}
     assert "gap_vs_depth.png" in written
+
+
+def test_a_best_learning_rate_at_the_edge_of_three_candidates_is_flagged(tmp_path):
+    """The tuning arms are found finished (their records in place), so nothing trains; the pick at
+    the largest candidate is warned about and marked in tuning.json, the one inside is not."""
+    from hf_asyncpp.study import _choose_learning_rates
+    from hf_asyncpp.study.runner import _settings, arm_dir
+
+    study = _study(tmp_path, optimizers={"adamw": [1.0e-3, 3.0e-3, 1.0e-2]})
+    losses = {(0.9, 1.0e-3): 4.3, (0.9, 3.0e-3): 4.0, (0.9, 1.0e-2): 3.9,  # best at the largest
+              (0.95, 1.0e-3): 4.4, (0.95, 3.0e-3): 4.1, (0.95, 1.0e-2): 4.2}  # best inside
+    for arm in study.tuning_arms():
+        directory = arm_dir(study, arm)
+        directory.mkdir(parents=True)
+        (directory / "arm.json").write_text(json.dumps(
+            {"arm": arm.__dict__, "mode": arm.mode, "settings": _settings(study, arm),
+             "final_eval": {"eval_loss": losses[(arm.momentum, arm.learning_rate)]}}))
+    logged = []
+    chosen = _choose_learning_rates(study, logged.append)
+    assert chosen[("adamw", 0.9)] == 1.0e-2 and chosen[("adamw", 0.95)] == 3.0e-3
+    warnings = [line for line in logged if "warning" in line]
+    assert len(warnings) == 1 and "adamw's best learning rate at momentum 0.9, 0.01, is the largest" in warnings[0]
+    record = json.loads((study.output_dir / "tuning.json").read_text())
+    assert {(c["momentum"], c["at_edge"]) for c in record["chosen"] if c["optimizer"] == "adamw"} == {
+        (0.9, True), (0.95, False)}
