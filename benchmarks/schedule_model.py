@@ -22,23 +22,19 @@ import argparse
 import json
 from pathlib import Path
 
-from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
-
 from hf_asyncpp.schedules import SCHEDULES, ScheduleError
+from hf_asyncpp.schedules.registry import model_cost
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "schedule_model.json"
-COSTS = {FORWARD: 1.0, FULL_BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0}
 
 
 def _arm(spec, pp_size: int, m: int, last_stage_factor: float, clip_globally: bool) -> dict:
     last = spec.n_stages(pp_size) - 1
 
     def cost(rank, action) -> float:
-        return COSTS.get(action.computation_type, 0.0) * (last_stage_factor if action.stage_index == last else 1.0)
+        return model_cost(rank, action) * (last_stage_factor if action.stage_index == last else 1.0)
 
-    short, long = (spec.timeline(pp_size, m, n, cost, clip_globally) for n in (3, 5))
-    step = (long.makespan - short.makespan) / 2
-    limit = max(long.busy[r] - short.busy[r] for r in long.busy) / 2
+    step, limit = spec.steady_step(pp_size, m, cost, clip_globally)
     return dict(schedule=spec.name, pp_size=pp_size, n_microbatches=m, clip="global" if clip_globally else "stage",
                 step=step, limit=limit, step_over_limit=round(step / limit, 4))
 

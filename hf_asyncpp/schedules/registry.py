@@ -10,7 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
 from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, check_versions
@@ -22,8 +29,15 @@ from .wpipe import WPIPE
 
 # Asynchronous orders are checked over this many consecutive steps: the first, a middle and the last.
 VALIDATION_STEPS = 3
+# The timing model's default costs (validate.check_program): a backward takes two forwards, and a
+# zero-bubble schedule's input and weight halves one each; nothing else takes time.
+MODEL_COSTS = {FORWARD: 1.0, FULL_BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0}
 
-__all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule_spec", "register_schedule"]
+
+def model_cost(rank: int, action) -> float:
+    return MODEL_COSTS.get(action.computation_type, 0.0)
+
+__all__ = ["MODEL_COSTS", "ScheduleSpec", "SCHEDULES", "get_schedule_spec", "model_cost", "register_schedule"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,13 @@ class ScheduleSpec:
             program = self.programs(pp_size, n_microbatches, n_steps, to_rank)
             clipping = GlobalClipping(self.order, pp_size, n_microbatches) if clip_globally else None
         return check_program(program, to_rank, n_stages, clipping=clipping, cost=cost)
+
+    def steady_step(self, pp_size: int, n_microbatches: int, cost=model_cost,
+                    clip_globally: bool = False) -> tuple[float, float]:
+        """(step, limit) once the pipeline is full, in the timing model: how much the makespan, and
+        the busiest rank's compute, grow per step from 3 to 5 steps."""
+        short, long = (self.timeline(pp_size, n_microbatches, n, cost, clip_globally) for n in (3, 5))
+        return (long.makespan - short.makespan) / 2, max(long.busy[r] - short.busy[r] for r in long.busy) / 2
 
     def check_microbatches(self, pp_size: int, n_microbatches: int, clip_globally: bool = False) -> None:
         """Raise ValueError when this schedule cannot run n_microbatches on pp_size ranks (pipelined:

@@ -27,6 +27,7 @@ from torch.distributed.pipelining.schedules import (
 from hf_asyncpp.schedules import SCHEDULES, ScheduleError, check_schedule, get_schedule_spec
 from hf_asyncpp.schedules.actions import gpipe_actions, one_f_one_b_actions
 from hf_asyncpp.schedules.comm_plan import P2PBatch
+from hf_asyncpp.schedules.registry import MODEL_COSTS
 from hf_asyncpp.schedules.validate import check_program
 
 COMMS = (SEND_F, RECV_F, SEND_B, RECV_B)
@@ -435,7 +436,7 @@ def test_global_norms_are_refused_where_a_rank_would_post_two_per_update():
 
 # --- the timing model (check_program's `cost`) --------------------------------------------------
 
-F_COST, B_COST = 1.0, 2.0  # a backward costs two forwards
+F_COST, B_COST = MODEL_COSTS[FORWARD], MODEL_COSTS[FULL_BACKWARD]  # 1 and 2: a backward costs two forwards
 
 
 def _cost(rank, action):
@@ -443,9 +444,8 @@ def _cost(rank, action):
 
 
 def _steady_step(spec, pp_size, m, clip_globally=False):
-    """A step's time once the pipeline is full: the makespan's growth per step from 3 to 5 steps."""
-    longer, shorter = (spec.timeline(pp_size, m, n, _cost, clip_globally).makespan for n in (5, 3))
-    return (longer - shorter) / 2
+    """A step's time once the pipeline is full."""
+    return spec.steady_step(pp_size, m, _cost, clip_globally)[0]
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
