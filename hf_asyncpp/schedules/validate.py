@@ -77,9 +77,6 @@ class Timeline:
     def makespan(self) -> float:
         return max(self.finish.values())
 
-    def idle_fraction(self, rank: int) -> float:
-        return 1.0 - self.busy[rank] / self.makespan if self.makespan else 0.0
-
 
 def _fail(message: str, table, rank: int, step: int):
     raise ScheduleError(f"rank {rank}, step {step}: {message}\n\n{_format_pipeline_order(table, error_step_number=step)}")
