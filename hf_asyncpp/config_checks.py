@@ -221,7 +221,8 @@ def check_model_fits(config: TrainConfig, model_config) -> None:
     from .schedules import get_schedule_spec
 
     # The order is checked across the switch of a sync start (two synchronous steps stand for any number).
-    spec = get_schedule_spec(config.schedule).starting_synchronously(min(config.sync_steps, 2))
+    schedule = get_schedule_spec(config.schedule)
+    spec = schedule.starting_synchronously(min(config.sync_steps, 2))
     _require(config.emulate_pp_size >= 0, f"emulate_pp_size must be >= 0, got {config.emulate_pp_size}")
     emulating = spec.order is not None and config.pp_size == 1
     depth = max(config.emulate_pp_size, 1) if emulating else config.pp_size
@@ -261,8 +262,9 @@ def check_model_fits(config: TrainConfig, model_config) -> None:
             raise ConfigError(f"{err}. Clipping by the global norm (max_grad_norm {config.max_grad_norm}, "
                               "grad_clip_scope global) cannot run this order: set grad_clip_scope: stage to clip "
                               "each stage by its own norm, or max_grad_norm: 0") from None
-        clipped, _ = spec.steady_step(depth, config.n_microbatches, clip_globally=True)
-        unclipped, _ = spec.steady_step(depth, config.n_microbatches)
+        # Timed without the sync start: the steps after the switch are the ones that would wait.
+        clipped, _ = schedule.steady_step(depth, config.n_microbatches, clip_globally=True)
+        unclipped, _ = schedule.steady_step(depth, config.n_microbatches)
         if clipped > 1.01 * unclipped:  # e.g. PipeDream: a stage needs each update right after its backward
             logger.warning(f"{spec.name} clipped by the global norm: its stages wait for each other's gradient norms; "
                            f"in the schedule's timing model (a backward costs two forwards) a step takes "

@@ -227,12 +227,15 @@ def test_a_hub_dataset_id_is_accepted_when_the_hub_is_reachable_and_streaming_ev
     assert (config.dataset_config_name, config.dataset_split, config.streaming) == ("sample-10BT", "train", True)
 
 
+@pytest.mark.parametrize("sync_steps", [0, 5])
 @pytest.mark.parametrize("schedule, warned", [("pipedream", "3.00×"), ("pipedream-2bw", None)])
 def test_clipping_by_the_global_norm_warns_with_the_modelled_slowdown_where_stages_would_wait(schedule, warned,
-                                                                                               capsys):
+                                                                                               sync_steps, capsys):
     """PipeDream's stages need each update right after their backward, so they wait for the others'
-    norms: three times the step at pp 4, m 8 in the schedule's timing model; 2BW's do not wait."""
-    config = TrainConfig(model_config="tiny-moe", pp_size=4, schedule=schedule, n_microbatches=8, max_grad_norm=1.0)
+    norms: three times the step at pp 4, m 8 in the schedule's timing model; 2BW's do not wait. A sync
+    start changes only the first steps: the warning is about the ones after the switch."""
+    config = TrainConfig(model_config="tiny-moe", pp_size=4, schedule=schedule, n_microbatches=8, max_grad_norm=1.0,
+                         sync_steps=sync_steps)
     validate_config(config, world_size=4)
     err = capsys.readouterr().err
     if warned:

@@ -99,14 +99,15 @@ class ScheduleSpec:
         plan = SegmentPrograms(self.order, pp_size, n_microbatches, n_steps, stage_to_rank, n_stages)
         return {r: [e for k in range(n_steps) for e in plan.program(r, k)] + [None] for r in range(pp_size)}
 
-    def stage_to_rank(self, pp_size: int, stage: int) -> int:
-        return next(r for r in range(pp_size) if stage in self.stage_indices(pp_size, r))
+    def stage_ranks(self, pp_size: int) -> dict[int, int]:
+        """Stage → the rank that holds it, from `stage_indices`."""
+        return {s: r for r in range(pp_size) for s in self.stage_indices(pp_size, r)}
 
     def timeline(self, pp_size: int, n_microbatches: int, n_steps: int, cost, clip_globally: bool = False) -> Timeline:
         """n_steps steps played as a timing model (validate.check_program with `cost(rank, action)`
         seconds per action): synchronous schedules step after step, each flushed; asynchronous ones
         as their runtime plans them, clipping by the global norm if `clip_globally`."""
-        n_stages, to_rank = self.n_stages(pp_size), lambda stage: self.stage_to_rank(pp_size, stage)
+        n_stages, to_rank = self.n_stages(pp_size), self.stage_ranks(pp_size).__getitem__
         clipping = None
         if self.order is None:
             step = plan_program(self.make_actions(pp_size, n_microbatches), to_rank, n_stages)

@@ -21,7 +21,7 @@ ASYNC = sorted(name for name, spec in SCHEDULES.items() if not spec.synchronous)
 
 
 def stage_to_rank(spec, pp_size):
-    return {s: r for r in range(pp_size) for s in spec.stage_indices(pp_size, r)}.__getitem__
+    return spec.stage_ranks(pp_size).__getitem__
 
 
 def programs(spec, pp_size, m, n_steps, keep=None, **kwargs):

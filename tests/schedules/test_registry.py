@@ -71,6 +71,7 @@ def test_stage_indices_v_placement():
     assert zbv.stage_indices(4, 1) == [1, 6]
     assert [zbv.stage_indices(4, r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert zbv.stage_indices(1, 0) == [0, 1]
+    assert zbv.stage_ranks(2) == {0: 0, 3: 0, 1: 1, 2: 1}
 
 
 @pytest.mark.parametrize("name", BUILTIN)
