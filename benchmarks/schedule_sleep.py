@@ -27,7 +27,7 @@ def _sleeping_stage_times(rank, world_size, schedule: str, m: int, forward_s: fl
     from torch.distributed.pipelining import PipelineStage
 
     from hf_asyncpp.parallel.launch import read_launch
-    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+    from hf_asyncpp.parallel.mesh import init_parallel, link_groups, shutdown_parallel
     from hf_asyncpp.schedules import get_schedule_spec
     from hf_asyncpp.schedules.runtime import build_schedule
 
@@ -53,7 +53,9 @@ def _sleeping_stage_times(rank, world_size, schedule: str, m: int, forward_s: fl
     layout = init_parallel(read_launch(), world_size)
     try:
         stage = PipelineStage(SleepingStage(), rank, world_size, layout.device, group=layout.pp_group)
-        runtime = build_schedule(get_schedule_spec(schedule), [stage], m, lambda out, target: out.sum())
+        spec = get_schedule_spec(schedule)
+        runtime = build_schedule(spec, [stage], m, lambda out, target: out.sum(),
+                                 link_groups(layout, spec.rank_pairs(world_size)))
         times = []
         for _ in range(steps + 1):
             dist.barrier(group=layout.pp_group)

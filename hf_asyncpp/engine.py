@@ -31,7 +31,7 @@ from .models.recompute import apply_activation_checkpointing
 from .models.pipeline_loss import PipelineLoss
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, reduce_dtype, shard_parameters, unshard_parameters
-from .parallel.mesh import ParallelLayout, broadcast_from_first_replica
+from .parallel.mesh import ParallelLayout, broadcast_from_first_replica, link_groups
 from .resilience import NonFiniteGuard, TerminationRequest
 from .schedules import ScheduleError, build_schedule, get_schedule_spec
 from .schedules.async_order import replay_after
@@ -116,6 +116,8 @@ class PipelineEngine:
             PipelineStage(submod, s, n_stages, layout.device, group=layout.pp_group)
             for submod, s in zip(self.versioned or self.modules, self.stage_ids)
         ]
+        # Each pair of neighbouring ranks talks on its own group (its own NCCL stream): mesh.link_groups.
+        links = link_groups(layout, self.spec.rank_pairs(layout.pp_size)) if self.stages else None
         self.timer = ComputeTimer(self.stages)
         timed_loss = self.timer.timed(self.loss_fn)
         self.emulated = EmulatedPipeline(self.modules, self.stage_ids, order, depth, m, self.updaters,
@@ -124,10 +126,11 @@ class PipelineEngine:
         if emulating:
             self.schedule = None
         elif self.versioned:
-            self.schedule = AsyncPipelineSchedule(self.stages, m, timed_loss, order, config.max_steps,
-                                                  update_stage=self._update_stage, await_update=self._await_update)
+            self.schedule = AsyncPipelineSchedule(self.stages, m, timed_loss, self.spec, config.max_steps,
+                                                  update_stage=self._update_stage, await_update=self._await_update,
+                                                  links=links)
         else:
-            self.schedule = build_schedule(self.spec, self.stages, m, timed_loss)
+            self.schedule = build_schedule(self.spec, self.stages, m, timed_loss, links)
         self._routing_load_counters = [(s, m.routing_load) for s, m in zip(self.stage_ids, self.modules)
                                        if m.routing_load is not None]
         # Asynchronous pipeline: a minibatch's routing-bias update comes with its weight update

@@ -152,6 +152,7 @@ def _check(reports):
     for rank_report in reports:
         for row in rank_report:
             p2p_tags.assert_untagged(row["messages"])  # matched by posting order, as under NCCL
+            p2p_tags.assert_each_pair_on_its_own_group(row["messages"])
             assert row["param_diff"] < TOL, row
             assert row["loss_diff"] < TOL, row
             assert row["aux_diff"] < TOL, row

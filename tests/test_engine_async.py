@@ -143,6 +143,7 @@ def _check(reports, schedule="pipedream-2bw"):
         for report in reports:
             if report[i]["pipelined"]:
                 p2p_tags.assert_untagged(report[i]["messages"])  # matched by posting order, as under NCCL
+                p2p_tags.assert_each_pair_on_its_own_group(report[i]["messages"])
             assert report[i]["param_diff"] < TOL, report[i]
             assert report[i]["loss_diff"] < TOL, report[i]
             assert report[i]["moved"] > 1e-3, report[i]  # the updates really happened

@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .launch import LaunchInfo
 
-__all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free_port", "init_parallel", "mesh_coordinates", "shutdown_parallel"]
+__all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free_port", "init_parallel", "link_groups",
+           "mesh_coordinates", "shutdown_parallel"]
 
 IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
 
@@ -44,6 +45,8 @@ class ParallelLayout:
     # And a third time: asynchronous stages all-reduce their gradient norms (global clipping) while
     # P2P messages are in flight; on the pipeline's group they would queue in NCCL's order among them.
     norm_pp_group: object = None
+    # How long a collective or message waits for a peer (comm_timeout_s) in the groups made here.
+    timeout: timedelta = timedelta(minutes=10)
 
     @property
     def pp_group(self):
@@ -117,7 +120,31 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         io_group=io_group,
         eval_pp_group=eval_pp_group,
         norm_pp_group=norm_pp_group,
+        timeout=timedelta(seconds=timeout_s),
     )
+
+
+def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]]) -> dict[int, dist.ProcessGroup]:
+    """A two-rank process group for each pair of pipeline ranks in `rank_pairs` (pp ranks, every
+    replica): peer's global rank → the group this rank's messages with it go on. Call on every rank.
+
+    NCCL runs the batches posted on one communicator one after another on one stream, so on the
+    pipeline's group a middle rank's batch with one neighbour would wait behind a batch with the
+    other that is still waiting for its data. Each pair on its own communicator keeps them apart:
+    the one-stream-per-pair timing of schedules/validate.py."""
+    links = {}
+    for a, b in rank_pairs:  # the same order on every rank: each new_group involves all of them
+        for d in range(layout.dp_size):
+            ranks = [a * layout.dp_size + d, b * layout.dp_size + d]
+            group = dist.new_group(ranks, timeout=layout.timeout)
+            if layout.rank in ranks:
+                links[ranks[1] if ranks[0] == layout.rank else ranks[0]] = group
+    if layout.device.type == "cuda":
+        # Set the communicators up now, not in a step. Pairs in one global order: no rank can wait
+        # on a pair whose other rank waits on a later one.
+        for peer, group in sorted(links.items(), key=lambda link: sorted((layout.rank, link[0]))):
+            dist.barrier(group=group)
+    return links
 
 
 @torch.no_grad()

@@ -31,8 +31,9 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 
-from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, replay_after
+from .async_order import GlobalClipping, SegmentPrograms, replay_after
 from .comm_plan import is_compute
+from .registry import ScheduleSpec
 from .runtime import ProgramRuntime
 from .weight_versions import VersionedStage
 
@@ -44,19 +45,19 @@ SENDS_KEPT_FOR_STEPS = 2
 
 
 class AsyncPipelineSchedule(ProgramRuntime):
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, order: AsyncOrder,
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, spec: ScheduleSpec,
                  n_steps: int, update_stage: Callable[[int, int, int, float], None],
-                 await_update: Callable[[int, int], None]):
+                 await_update: Callable[[int, int], None], links: dict | None = None):
         """`update_stage(stage_index, unit, version, grad_scale)` is called when a stage's update is
         due: after the backward of a minibatch's last microbatch (grad_scale 1/m), or after every
         backward for per-microbatch orders (grad_scale 1); `unit` is the update unit, `version` the
         one the gradient was taken at. `await_update(stage_index, unit)`: the stage's updates up to
-        `unit` must have been applied now."""
-        self.pp_size = stages[0].group_size
+        `unit` must have been applied now. `spec`: an asynchronous schedule (its order and placement)."""
+        order, self.pp_size = spec.order, stages[0].group_size
         self.n_slots = order.n_slots(self.pp_size, n_microbatches)
-        super().__init__(stages, self.n_slots, loss_fn, scale_grads=False)
+        super().__init__(stages, self.n_slots, loss_fn, scale_grads=False, links=links)
         self.order, self.m = order, n_microbatches
-        self.stage_index_to_group_rank = {s: s % self.pp_size for s in range(self._num_stages)}
+        self.stage_index_to_group_rank = spec.stage_ranks(self.pp_size)
         for stage in self._stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
             stage.forward_one_chunk = self._bound_forward(stage, stage.forward_one_chunk)

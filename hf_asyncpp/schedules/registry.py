@@ -103,10 +103,19 @@ class ScheduleSpec:
         """Stage → the rank that holds it, from `stage_indices`."""
         return {s: r for r in range(pp_size) for s in self.stage_indices(pp_size, r)}
 
-    def timeline(self, pp_size: int, n_microbatches: int, n_steps: int, cost, clip_globally: bool = False) -> Timeline:
+    def rank_pairs(self, pp_size: int) -> list[tuple[int, int]]:
+        """The pairs of pipeline ranks (lower first, sorted) that exchange activations and gradients:
+        the ranks of each two consecutive stages, where they differ."""
+        ranks = self.stage_ranks(pp_size)
+        return sorted({tuple(sorted((ranks[s], ranks[s + 1]))) for s in range(self.n_stages(pp_size) - 1)
+                       if ranks[s] != ranks[s + 1]})
+
+    def timeline(self, pp_size: int, n_microbatches: int, n_steps: int, cost, clip_globally: bool = False,
+                 streams: str = "pair") -> Timeline:
         """n_steps steps played as a timing model (validate.check_program with `cost(rank, action)`
         seconds per action): synchronous schedules step after step, each flushed; asynchronous ones
-        as their runtime plans them, clipping by the global norm if `clip_globally`."""
+        as their runtime plans them, clipping by the global norm if `clip_globally`. `streams`: "pair"
+        as the runtime posts on NCCL (a group per pair of ranks), "rank" for one group per pipeline."""
         n_stages, to_rank = self.n_stages(pp_size), self.stage_ranks(pp_size).__getitem__
         clipping = None
         if self.order is None:
@@ -115,13 +124,13 @@ class ScheduleSpec:
         else:
             program = self.programs(pp_size, n_microbatches, n_steps, to_rank)
             clipping = GlobalClipping(self.order, pp_size, n_microbatches) if clip_globally else None
-        return check_program(program, to_rank, n_stages, clipping=clipping, cost=cost)
+        return check_program(program, to_rank, n_stages, streams, clipping=clipping, cost=cost)
 
-    def steady_step(self, pp_size: int, n_microbatches: int, cost=model_cost,
-                    clip_globally: bool = False) -> tuple[float, float]:
+    def steady_step(self, pp_size: int, n_microbatches: int, cost=model_cost, clip_globally: bool = False,
+                    streams: str = "pair") -> tuple[float, float]:
         """(step, limit) once the pipeline is full, in the timing model: how much the makespan, and
         the busiest rank's compute, grow per step from 3 to 5 steps."""
-        short, long = (self.timeline(pp_size, n_microbatches, n, cost, clip_globally) for n in (3, 5))
+        short, long = (self.timeline(pp_size, n_microbatches, n, cost, clip_globally, streams) for n in (3, 5))
         return (long.makespan - short.makespan) / 2, max(long.busy[r] - short.busy[r] for r in long.busy) / 2
 
     def check_microbatches(self, pp_size: int, n_microbatches: int, clip_globally: bool = False) -> None:

@@ -5,7 +5,8 @@ reshard / gradient reduction); the sends and receives are ours: each `P2PBatch` 
 posted as one `batch_isend_irecv` (one NCCL group) when torch reaches its first operation, and the
 receives' works are handed to torch, which waits for them before the compute that needs them. Every
 message goes untagged (tag 0): on gloo it is then matched by posting order per pair of ranks, as NCCL
-matches it, so what runs on CPU is what would run on GPUs.
+matches it, so what runs on CPU is what would run on GPUs. Given `links` (parallel/mesh.link_groups),
+a batch goes on its peer's two-rank group, so each pair of ranks has its own NCCL stream.
 
 `ActionListSchedule` runs a synchronous schedule: one flushed step per call, waiting for its sends
 at the end. The asynchronous runtime (async_runtime.py) builds on `ProgramRuntime` too.
@@ -42,8 +43,10 @@ _COMMS = (SEND_F, SEND_B, RECV_F, RECV_B)
 class ProgramRuntime(_PipelineScheduleRuntime):
     """torch's runtime fed with programs whose P2P batches this class posts."""
 
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, scale_grads: bool):
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, scale_grads: bool,
+                 links: dict | None = None):
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        self._links = links or {}  # peer's global rank → the group its messages go on (default: the stages')
         # torch dispatches any action type found here to the function (register_custom_function
         # refuses communication types, its dispatch does not: pinned in test_torch_internals.py).
         for kind in _COMMS:
@@ -90,6 +93,8 @@ class ProgramRuntime(_PipelineScheduleRuntime):
             make = {SEND_F: stage.get_fwd_send_ops, SEND_B: stage.get_bwd_send_ops,
                     RECV_F: stage.get_fwd_recv_ops, RECV_B: stage.get_bwd_recv_ops}[op.computation_type]
             p2p += make(op.microbatch_index)
+        if self._links:
+            p2p = [dist.P2POp(p.op, p.tensor, p.peer, self._links[p.peer]) for p in p2p]
         posted = _PostedBatch(dist.batch_isend_irecv(p2p) if p2p else [])
         # NCCL returns one work for a whole group: a compute waits for its receive's whole batch.
         for op in ops:
@@ -155,8 +160,8 @@ class ActionListSchedule(ProgramRuntime):
     and the stages are the same objects, so torch's train ↔ eval switch applies."""
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, actions,
-                 spec: ScheduleSpec | None):
-        super().__init__(stages, n_microbatches, loss_fn, scale_grads=True)
+                 spec: ScheduleSpec | None, links: dict | None = None):
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=True, links=links)
         self.spec = spec
         self.pipeline_order = actions
         self._validate_and_set_stage_mapping(actions)
@@ -174,9 +179,10 @@ class ActionListSchedule(ProgramRuntime):
             self.wait_for_sends()
 
 
-def build_schedule(spec: ScheduleSpec, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
+def build_schedule(spec: ScheduleSpec, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable,
+                   links: dict | None = None):
     pp_size = stages[0].group_size
-    return ActionListSchedule(stages, n_microbatches, loss_fn, spec.actions(pp_size, n_microbatches), spec)
+    return ActionListSchedule(stages, n_microbatches, loss_fn, spec.actions(pp_size, n_microbatches), spec, links)
 
 
 def build_eval_schedule(stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable) -> ActionListSchedule:

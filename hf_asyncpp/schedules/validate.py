@@ -8,10 +8,11 @@ runtime executes) and plays every rank's program against the others under NCCL's
   - matching by posting order, not by tag: for each ordered pair of ranks, the k-th send is matched
     to the k-th receive, and both must carry the same message (kind, stage, microbatch) — under NCCL
     a mismatch is no error but a wrong tensor;
-  - streams: the P2P operations a rank posts for one peer run in posting order (`streams="pair"`, one
-    stream per pair of ranks as NCCL gives each pair its own; `"rank"`: one stream for all of a rank's
-    peers, the stricter case of a communicator shared by all pairs); a batch starts when it is at the
-    head of each of its streams, and its operations progress together;
+  - streams: NCCL runs the batches posted on one communicator in posting order on one stream.
+    `streams="pair"`: one stream per pair of ranks, as the runtime posts each pair's batches on a
+    group of its own (parallel/mesh.link_groups); `"rank"`: one stream for all of a rank's peers, as
+    one group for the whole pipeline would give. A batch starts when it is at the head of each of
+    its streams, and its operations progress together;
   - rendezvous: a send completes only together with its receive, once both have started; a compute
     waits for the batch holding its receive, a `None` entry for every send its rank posted;
   - data dependencies: a send only after the compute that produces it; stage s forwards microbatch i

@@ -74,6 +74,16 @@ def test_stage_indices_v_placement():
     assert zbv.stage_ranks(2) == {0: 0, 3: 0, 1: 1, 2: 1}
 
 
+def test_rank_pairs_are_the_ranks_of_consecutive_stages():
+    """The pairs that get a group of their own (parallel/mesh.link_groups): a loop of two stages per
+    rank also links the last rank to the first; a V turns back on the last rank."""
+    assert SCHEDULES["1f1b"].rank_pairs(4) == [(0, 1), (1, 2), (2, 3)]
+    assert SCHEDULES["interleaved-1f1b"].rank_pairs(4) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    assert SCHEDULES["zbv"].rank_pairs(4) == [(0, 1), (1, 2), (2, 3)]
+    assert SCHEDULES["wpipe"].rank_pairs(2) == [(0, 1)]
+    assert SCHEDULES["zbv"].rank_pairs(1) == []
+
+
 @pytest.mark.parametrize("name", BUILTIN)
 @pytest.mark.parametrize("pp_size", [1, 2, 4])
 def test_stage_indices_partition_the_stages(name, pp_size):

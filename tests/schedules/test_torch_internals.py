@@ -268,6 +268,17 @@ def test_stage_p2p_ops_carry_tag_zero():
         assert "dist.P2POp(" in source and not re.search(r"\btag\b", source), method
 
 
+def test_stage_p2p_ops_name_their_peer_by_global_rank():
+    """The runtime moves each of a stage's operations onto its peer's two-rank group by rebuilding it
+    from `op`, `tensor` and `peer` (schedules/runtime.py): P2POp must keep the peer's global rank there."""
+    import torch.distributed as dist
+
+    assert list(inspect.signature(dist.P2POp.__init__).parameters)[:5] == ["self", "op", "tensor", "peer", "group"]
+    assert "return_global=True" in inspect.getsource(dist.P2POp.__init__)
+    for method in ("get_fwd_send_ops", "get_bwd_send_ops", "_get_recv_ops"):
+        assert "peer_global_rank" in inspect.getsource(getattr(PipelineStage, method)), method
+
+
 def test_runtime_hooks_used_by_the_async_runtime():
     params = list(inspect.signature(_PipelineScheduleRuntime._step_microbatches).parameters)
     assert params[:6] == ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses", "return_outputs"]

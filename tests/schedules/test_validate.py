@@ -465,6 +465,16 @@ def test_an_asynchronous_schedule_runs_without_a_bubble_once_the_pipeline_is_ful
     assert _steady_step(get_schedule_spec(name), pp_size, m) == m * (F_COST + B_COST)
 
 
+@pytest.mark.parametrize("pp_size, m", [(4, 8), (8, 16)])
+def test_pipedream_2bw_needs_a_stream_per_pair_of_ranks_to_run_without_a_bubble(pp_size, m):
+    """On one stream for all of a rank's peers (one NCCL group for the whole pipeline), a middle
+    rank's batch with one neighbour waits behind a batch with the other: the step grows past its
+    limit. The runtime posts each pair's batches on their own group (parallel/mesh.link_groups)."""
+    spec = get_schedule_spec("pipedream-2bw")
+    assert spec.steady_step(pp_size, m, _cost, streams="pair")[0] == m * (F_COST + B_COST)
+    assert spec.steady_step(pp_size, m, _cost, streams="rank")[0] > 1.1 * m * (F_COST + B_COST)
+
+
 @pytest.mark.parametrize("pp_size, m", [(2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16)])
 def test_clipping_pipedream_2bw_by_the_global_norm_makes_no_stage_wait(pp_size, m):
     """The one-step delay leaves every held update time for all stages' norms to arrive."""
