@@ -22,6 +22,7 @@ Measured per arm and rank:
     over its limit's forward + backward shows what a schedule adds to compute (weight stashing, say):
     1.00 is nothing;
   - peak resident memory of the rank's process (CPU; includes the ~0.5 GB of libraries);
+  - the CPU time the rank's other threads (gloo's transport, the norm all-reduce) take per step;
   - what one step computes, counted rather than timed (one extra step after the measured ones, under
     torch's FlopCounterMode and a dispatch mode counting aten ops): its FLOPs beside 1F1B's on the same
     rank (1.000: the schedule adds no arithmetic) and the MB its `copy_` ops write (a weight-stashing
@@ -156,9 +157,11 @@ def _rank_main(rank: int, world_size: int, args, schedule: str, m: int, scope: s
             if step == counted:
                 count = _counted_step(engine, rows[step], next_rows)
                 continue
+            cpu, own_cpu = time.process_time(), time.thread_time()
             result = engine.train_step(rows[step], next_rows)
+            others_cpu = (time.process_time() - cpu) - (time.thread_time() - own_cpu)
             if args.warmup <= step < args.warmup + args.steps:
-                samples.append((result.busy_s, result.step_time_s, result.tokens))
+                samples.append((result.busy_s, result.step_time_s, result.tokens, others_cpu))
         engine.finish()
         compute_ms, optimizer_ms = _bubble_free_ms(engine, rows[0], args.steps, layout.pp_group)
         return dict(samples=samples, bubble_free_ms=compute_ms + optimizer_ms, compute_ms=compute_ms,
@@ -181,14 +184,17 @@ def _run_arm(args, schedule: str, m: int, scope: str) -> dict:
         step_ms=1e3 * statistics.mean(step_s),
         step_ms_stdev=1e3 * statistics.stdev(step_s) if len(step_s) > 1 else 0.0,
         tokens_per_s=tokens * len(step_s) / sum(step_s),
-        idle_fraction_per_rank=[statistics.mean(max(0.0, 1 - b / t) for b, t, _ in r["samples"]) for r in ranks],
-        busy_ms_per_rank=[1e3 * statistics.mean(b for b, _, _ in r["samples"]) for r in ranks],
+        idle_fraction_per_rank=[statistics.mean(max(0.0, 1 - b / t) for b, t, *_ in r["samples"]) for r in ranks],
+        busy_ms_per_rank=[1e3 * statistics.mean(b for b, *_ in r["samples"]) for r in ranks],
+        # CPU the rank's other threads (gloo's transport, mostly) took per step: on 2 cores, time
+        # taken from some rank's compute, which a GPU's copy engines would not take
+        other_threads_cpu_ms_per_rank=[1e3 * statistics.mean(c for *_, c in r["samples"]) for r in ranks],
         bubble_free_ms_per_rank=[r["bubble_free_ms"] for r in ranks],
         optimizer_ms_per_rank=[r["bubble_free_ms"] - r["compute_ms"] for r in ranks],
         bubble_free_ms=limit_ms,
         step_over_limit=1e3 * statistics.mean(step_s) / limit_ms,
         # weight stashing or anything else a schedule adds to compute shows here (1.00: none)
-        slow_rank_busy_over_limit=max((r["bubble_free_ms"], 1e3 * statistics.mean(b for b, _, _ in r["samples"])
+        slow_rank_busy_over_limit=max((r["bubble_free_ms"], 1e3 * statistics.mean(b for b, *_ in r["samples"])
                                        / r["compute_ms"]) for r in ranks)[1],
         peak_rss_mb_per_rank=[r["peak_rss_mb"] for r in ranks],
         flops_per_rank=[r["flops"] for r in ranks],
@@ -217,8 +223,8 @@ def _print_table(results: list[dict]) -> None:
     base = {r["n_microbatches"]: r for r in results if r["schedule"] == "1f1b"}  # synchronous: clipped globally
     print("| schedule | m | clipping | step ms | tokens/s | vs 1f1b | bubble-free limit ms | step / limit | idle r0 | idle r1 "
           "| busy ms r0 / r1 | busy vs 1f1b r0 / r1 | slow rank busy / limit | FLOPs vs 1f1b r0 / r1 "
-          "| copied MB r0 / r1 | theor. idle | peak RSS MB r0 / r1 |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| copied MB r0 / r1 | other threads' CPU ms r0 / r1 | theor. idle | peak RSS MB r0 / r1 |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     nan = dict(step_ms=float("nan"), busy_ms_per_rank=[float("nan")] * PP, flops_per_rank=[float("nan")] * PP)
     for r in results:
         ref = base.get(r["n_microbatches"], nan)
@@ -229,10 +235,11 @@ def _print_table(results: list[dict]) -> None:
         rss0, rss1 = r["peak_rss_mb_per_rank"]
         flops0, flops1 = (f / b for f, b in zip(r["flops_per_rank"], ref["flops_per_rank"]))
         copied0, copied1 = r["copied_mb_per_rank"]
+        others0, others1 = r["other_threads_cpu_ms_per_rank"]
         print(f"| {r['schedule']} | {r['n_microbatches']} | {r['clip_scope']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
               f"{speedup:.2f}× | {r['bubble_free_ms']:.0f} | {r['step_over_limit']:.3f} | {idle0:.3f} | {idle1:.3f} | "
               f"{busy0:.0f} / {busy1:.0f} | {ratio0:.3f} / {ratio1:.3f} | {r['slow_rank_busy_over_limit']:.3f} | "
-              f"{flops0:.3f} / {flops1:.3f} | {copied0:.1f} / {copied1:.1f} | "
+              f"{flops0:.3f} / {flops1:.3f} | {copied0:.1f} / {copied1:.1f} | {others0:.1f} / {others1:.1f} | "
               f"{r['theoretical_idle']:.3f} | {rss0:.0f} / {rss1:.0f} |")
 
 
