@@ -166,10 +166,9 @@ class ActionListSchedule(ProgramRuntime):
         self.pipeline_order = actions
         self._validate_and_set_stage_mapping(actions)
         stage_to_rank = self.stage_index_to_group_rank.__getitem__
-        forward_only = {r: [a for a in ops if a is not None and a.computation_type == FORWARD] for r, ops in actions.items()}
         self._train = self._lowered(plan_program(_fsdp_lowered(actions, n_microbatches), stage_to_rank,
                                                  self._num_stages)[self.rank])
-        self._eval = self._lowered(plan_program({r: _add_unshard_reshard(ops) for r, ops in forward_only.items()},
+        self._eval = self._lowered(plan_program({r: _add_unshard_reshard(ops) for r, ops in forward_only(actions).items()},
                                                 stage_to_rank, self._num_stages)[self.rank])
 
     def _step_microbatches(self, *args, **kwargs):
@@ -192,10 +191,19 @@ def build_eval_schedule(stages: list[PipelineStage], n_microbatches: int, loss_f
     Asynchronous pipelines evaluate through it: their training runtime never finishes a step with an
     empty pipeline, so evaluation runs beside it, on its own PipelineStage objects built on their
     own process group: no message of it can meet one of training's in flight."""
-    pp_size, n_stages = stages[0].group_size, stages[0].num_stages
+    return ActionListSchedule(stages, n_microbatches, loss_fn,
+                              eval_actions(stages[0].group_size, stages[0].num_stages, n_microbatches), None)
+
+
+def eval_actions(pp_size: int, n_stages: int, n_microbatches: int):
+    """build_eval_schedule's order: GPipe over stages placed in a loop. torch checks a full training
+    order, so its backwards (GPipe's, reversed) are listed too; they are never run."""
     local = {r: list(range(r, n_stages, pp_size)) for r in range(pp_size)}
-    # torch checks a full training order; its backwards (GPipe's, reversed) are never run.
-    actions = {r: [_Action(s, FORWARD, j) for s in local[r] for j in range(n_microbatches)]
-               + [_Action(s, FULL_BACKWARD, j) for s in reversed(local[r]) for j in range(n_microbatches)]
-               for r in range(pp_size)}
-    return ActionListSchedule(stages, n_microbatches, loss_fn, actions, None)
+    return {r: [_Action(s, FORWARD, j) for s in local[r] for j in range(n_microbatches)]
+            + [_Action(s, FULL_BACKWARD, j) for s in reversed(local[r]) for j in range(n_microbatches)]
+            for r in range(pp_size)}
+
+
+def forward_only(actions):
+    """Each rank's forwards in its training order: what `eval()` runs of a schedule's lists."""
+    return {r: [a for a in ops if a is not None and a.computation_type == FORWARD] for r, ops in actions.items()}
