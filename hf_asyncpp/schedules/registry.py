@@ -27,6 +27,8 @@ from .comm_plan import plan_program
 from .validate import ScheduleError, Timeline, check_program, check_schedule
 from .wpipe import WPIPE
 
+__all__ = ["MODEL_COSTS", "ScheduleSpec", "SCHEDULES", "get_schedule_spec", "model_cost", "register_schedule"]
+
 # Asynchronous orders are checked over this many consecutive steps: the first, a middle and the last.
 VALIDATION_STEPS = 3
 # The timing model's default costs (validate.check_program): a backward takes two forwards, and a
@@ -36,8 +38,6 @@ MODEL_COSTS = {FORWARD: 1.0, FULL_BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_W
 
 def model_cost(rank: int, action) -> float:
     return MODEL_COSTS.get(action.computation_type, 0.0)
-
-__all__ = ["MODEL_COSTS", "ScheduleSpec", "SCHEDULES", "get_schedule_spec", "model_cost", "register_schedule"]
 
 
 @dataclass(frozen=True)
