@@ -1,8 +1,10 @@
 """Running a study's arms: each a normal training run (train.py) in its own process.
 
 An arm's directory is `<output_dir>/arms/<arm name>`; `arm.json` appears there only after the run
-exited cleanly with a final validation loss, and records the arm's settings (base config text and
-overrides), so a rerun skips exactly the finished arms whose settings are unchanged. A crashed arm
+exited cleanly with a final validation loss, and records the arm's settings (its resolved config), so a
+rerun skips exactly the finished arms whose settings are unchanged. `arm.json` and `metrics.jsonl` are
+the arm's whole result: a study whose output_dir is kept in version control carries its finished arms
+to another machine (stdout.txt and stderr.txt are logs). A crashed arm
 leaves `failed.txt` (exit status and the end of its stderr) and the others go on; a rerun retries it.
 Arms run `parallel` at a time. Before anything runs, every arm's config is validated, so a typo fails
 the study at once instead of after an hour.
@@ -10,6 +12,7 @@ the study at once instead of after an hour.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -44,14 +47,21 @@ def _cli(values: dict) -> list[str]:
     return args
 
 
+def _config(study: Study, arm: Arm):
+    """The arm's TrainConfig, as its run reads it (ConfigError on a bad value)."""
+    from ..config import load_config
+
+    return load_config(str(study.base_config), _cli(_overrides(study, arm)))
+
+
 def check_arms(study: Study, arms: list[Arm]) -> None:
     """Validate every arm's config as train.py would (StudyError naming the arm)."""
-    from ..config import ConfigError, load_config
+    from ..config import ConfigError
     from ..config_checks import validate_config
 
     for arm in arms:
         try:
-            config = load_config(str(study.base_config), _cli(_overrides(study, arm)))
+            config = _config(study, arm)
             if config.eval_fraction <= 0 and config.eval_dataset is None:
                 raise ConfigError("the study compares validation losses: set eval_fraction or eval_dataset in base")
             validate_config(config, arm.depth if study.launch == "pipeline" else 1)
@@ -73,17 +83,35 @@ def _final_eval(directory: Path) -> dict | None:
     return evals[-1] if evals else None
 
 
+# Where an arm writes, not what it computes: a study moved to another directory keeps its finished arms.
+_PLACEMENT_KEYS = ("output_dir",)
+
+
+def _config_values(config) -> dict:
+    values = dataclasses.asdict(config)
+    return json.loads(json.dumps({k: v for k, v in values.items() if k not in _PLACEMENT_KEYS}))
+
+
 def _settings(study: Study, arm: Arm) -> dict:
-    """What an arm's result depends on: the base config's text and every override. A finished arm
-    whose settings differ (the study file or base config was edited) is run again."""
-    return {"base_config": study.base_config.read_text(), "overrides": _overrides(study, arm), "launch": study.launch}
+    """What an arm's result depends on: its resolved config (base config and every override; the files'
+    comments and layout do not count) and how it is launched. A finished arm whose settings differ (a
+    value in the study file or base config was edited) is run again."""
+    return {"config": _config_values(_config(study, arm)), "launch": study.launch}
 
 
 def _finished(directory: Path, settings: dict) -> bool:
+    """Whether the arm in `directory` finished with `settings`. A key its record lacks (added to the
+    config after it ran) counts as that key's default, which keeps the behaviour from before the key."""
     try:
-        return json.loads((directory / DONE).read_text()).get("settings") == settings
+        ran = json.loads((directory / DONE).read_text()).get("settings") or {}
     except (OSError, ValueError):
         return False
+    from ..config import TrainConfig
+
+    defaults = _config_values(TrainConfig())
+    ran_config = ran.get("config") or {}
+    return ran.get("launch") == settings["launch"] and bool(ran_config) and all(
+        ran_config.get(key, defaults.get(key)) == value for key, value in settings["config"].items())
 
 
 def _run_one(study: Study, arm: Arm, log) -> str:

@@ -1,0 +1,75 @@
+"""When a study's runner counts an arm as finished: its record's settings are the arm's resolved config,
+so a study survives being moved, copied to another machine or having its files' comments edited, and
+reruns an arm only when a value it ran with changed. Single-process, nothing trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hf_asyncpp.study import load_study
+from hf_asyncpp.study.grid import Arm
+from hf_asyncpp.study.runner import _finished, _settings, arm_dir
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_TEXT = (REPO / "training_scripts" / "configs" / "tiny_moe.yaml").read_text()
+
+
+def _study(directory: Path, base_text: str = BASE_TEXT, output_dir: str = "out"):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "base.yaml").write_text(base_text)
+    raw = dict(name="t", base_config="base.yaml", base={"max_steps": 300, "eval_fraction": 0.05},
+               optimizers={"adamw": [1.0e-3]}, modes=["sync", "pipedream-2bw"], ef=[0], momentum=[0.9],
+               seeds=[0], output_dir=str(directory / output_dir))
+    (directory / "study.yaml").write_text(json.dumps(raw))  # JSON is YAML
+    return load_study(directory / "study.yaml")
+
+
+ARM = Arm("adamw", "pipedream-2bw", 2, 0.0, 0.9, 1.0e-3, 0, 0)
+
+
+def _record(study, arm: Arm, settings: dict | None = None) -> Path:
+    directory = arm_dir(study, arm)
+    directory.mkdir(parents=True)
+    (directory / "arm.json").write_text(json.dumps(
+        {"arm": arm.__dict__, "mode": arm.mode, "settings": settings or _settings(study, arm),
+         "final_eval": {"eval_loss": 4.0}}))
+    return directory
+
+
+def test_a_finished_arm_stays_finished_when_the_study_moves_or_its_files_comments_change(tmp_path):
+    ran = _study(tmp_path / "first machine")
+    directory = _record(ran, ARM)
+    assert _finished(directory, _settings(ran, ARM))
+    moved = _study(tmp_path / "second machine", "# a comment added later\n" + BASE_TEXT, output_dir="elsewhere")
+    assert _finished(directory, _settings(moved, ARM))
+
+
+def test_an_edited_value_in_the_base_config_or_the_arm_makes_the_arm_stale(tmp_path):
+    study = _study(tmp_path / "a")
+    directory = _record(study, ARM)
+    edited = _study(tmp_path / "b", BASE_TEXT.replace("weight_decay: 0.1", "weight_decay: 0.2"))
+    assert not _finished(directory, _settings(edited, ARM))
+    other_seed = Arm(**{**ARM.__dict__, "seed": 1})
+    assert not _finished(directory, _settings(study, other_seed))
+
+
+def test_a_key_added_after_an_arm_ran_counts_as_its_default(tmp_path):
+    """A record written before `attn_implementation` existed ran with the behaviour the key's default keeps; an arm
+    that sets the key to another value is a different arm."""
+    study = _study(tmp_path / "a")
+    settings = _settings(study, ARM)
+    old = {**settings, "config": {k: v for k, v in settings["config"].items() if k != "attn_implementation"}}
+    directory = _record(study, ARM, old)
+    assert settings["config"]["attn_implementation"] is None  # the default
+    assert _finished(directory, settings)
+    eager = _study(tmp_path / "b", BASE_TEXT + "\nattn_implementation: eager\n")
+    assert not _finished(directory, _settings(eager, ARM))
+
+
+def test_a_record_of_the_earlier_format_or_a_broken_one_is_not_finished(tmp_path):
+    study = _study(tmp_path)
+    earlier = _record(study, ARM, {"base_config": BASE_TEXT, "overrides": {}, "launch": "emulator"})
+    assert not _finished(earlier, _settings(study, ARM))
+    (earlier / "arm.json").write_text("{not json")
+    assert not _finished(earlier, _settings(study, ARM))
