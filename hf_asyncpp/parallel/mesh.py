@@ -2,8 +2,12 @@
 
 Rank r sits at pp_rank = r // dp, dp_rank = r % dp: the ranks of one pipeline are dp apart, the
 replicas of one stage are neighbours (on GPUs, data-parallel traffic stays inside a node).
-Backend: gloo on CPU, nccl on CUDA. Training's messages time out after comm_timeout_s (a dead or
-stalled peer); waits on another rank's I/O go through `io_group`, whose timeout is IO_TIMEOUT.
+Backend: gloo on CPU, nccl on CUDA. Training's messages and collectives time out after
+comm_timeout_s (a dead or stalled peer), on every group made here; waits on another rank's I/O go
+through `io_group`, whose timeout is IO_TIMEOUT. The start (the rendezvous and the default group)
+waits up to STARTUP_TIMEOUT for the other ranks, whatever comm_timeout_s says: ranks start at different times (imports from a
+shared filesystem, CUDA initialisation, a loaded machine), and a short comm_timeout_s, chosen to
+notice a dead peer quickly, must not make the start itself fail.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ __all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free
            "mesh_coordinates", "shutdown_parallel"]
 
 IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
+STARTUP_TIMEOUT = timedelta(minutes=15)  # as long as torchrun waits for a node to join its rendezvous
 
 
 @dataclass
@@ -75,8 +80,9 @@ def mesh_coordinates(rank: int, world_size: int, pp_size: int) -> tuple[int, int
 
 
 def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) -> ParallelLayout:
-    """Process groups for `launch` as a (pp, dp) mesh. Every collective and point-to-point operation
-    fails after `timeout_s` without its peer (a dead or stalled rank) instead of waiting forever."""
+    """Process groups for `launch` as a (pp, dp) mesh. Once they are set up (which waits up to
+    STARTUP_TIMEOUT for late ranks), every collective and point-to-point operation fails after
+    `timeout_s` without its peer (a dead or stalled rank) instead of waiting forever."""
     if not launch.launched:  # plain `python train.py`: a one-rank group keeps one code path
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -88,26 +94,33 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    startup = max(STARTUP_TIMEOUT, timeout)  # for the rendezvous and the default group's start
     if not dist.is_initialized():  # a front end's framework (accelerate, under Trainer) may have started it
-        timeout = timedelta(seconds=timeout_s)
-        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        store, _, _ = next(dist.rendezvous("env://", timeout=startup))
         # A launcher restarting the workers (torchrun --max_restarts) keeps its store, which still holds
         # the previous attempt's addresses: each attempt's group keeps its keys under its own prefix.
         store = dist.PrefixStore(f"hf_asyncpp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
-                                timeout=timeout)
+                                timeout=startup)
     pp_rank, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, pp_size)
     mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
     replicas = [[p * dp_size + d for p in range(pp_size)] for d in range(dp_size)]
-    eval_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timedelta(seconds=timeout_s))
-    norm_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timedelta(seconds=timeout_s))
+    # Made with the ranks in step (the default group's start has gathered them): gloo's point-to-point
+    # messages wait as long as their group was made with, whatever is set later.
+    eval_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
+    norm_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
     if backend == "nccl":
         # batch_isend_irecv needs every rank of a group in the group's first operation (a pipeline's
         # first batch involves two ranks): start the pipeline groups' communicators together now (the
         # norm group's too, so its first all-reduce, mid-step, does not set one up).
         for group in (mesh.get_group("pp"), eval_pp_group, norm_pp_group):
             dist.barrier(group=group)
-    io_group = dist.new_group(backend="gloo", timeout=max(IO_TIMEOUT, timedelta(seconds=timeout_s)))
+    io_group = dist.new_group(backend="gloo", timeout=max(IO_TIMEOUT, timeout))
+    # Set up: from now on a peer that does not answer within comm_timeout_s is dead or stalled. (The
+    # default group was made with the start-up timeout, the mesh's with torch's default; they carry
+    # collectives only, which take the timeout set now.)
+    _bound_collectives([dist.group.WORLD, mesh.get_group("pp"), mesh.get_group("dp")], timeout)
     return ParallelLayout(
         world_size=launch.world_size,
         rank=launch.rank,
@@ -120,8 +133,14 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         io_group=io_group,
         eval_pp_group=eval_pp_group,
         norm_pp_group=norm_pp_group,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
+
+
+def _bound_collectives(groups, timeout: timedelta) -> None:
+    """Make every collective on `groups` fail after `timeout` without its peers."""
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]]) -> dict[int, dist.ProcessGroup]:
@@ -132,6 +151,9 @@ def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]]) -> di
     pipeline's group a middle rank's batch with one neighbour would wait behind a batch with the
     other that is still waiting for its data. Each pair on its own communicator keeps them apart:
     the one-stream-per-pair timing of schedules/validate.py."""
+    # The ranks come here apart by what they built and loaded: gather them on the I/O group, so that
+    # making the groups (each waits for every rank) needs no more than comm_timeout_s.
+    dist.barrier(group=layout.io_group)
     links = {}
     for a, b in rank_pairs:  # the same order on every rank: each new_group involves all of them
         for d in range(layout.dp_size):

@@ -1,5 +1,6 @@
 """The (pp, dp) mesh's groups: each pair of neighbouring pipeline ranks gets its own two-rank group,
-in every replica, and messages on it reach the peer."""
+in every replica, and messages on it reach the peer; the start waits for late ranks, and afterwards
+every group's operations wait comm_timeout_s for a peer."""
 
 from __future__ import annotations
 
@@ -45,3 +46,77 @@ def test_each_pair_of_neighbouring_ranks_talks_on_a_group_of_its_own(pp_size, ra
         assert set(received) == expected[rank], rank
         for peer, (group_ranks, value) in received.items():
             assert group_ranks == sorted((rank, peer)) and value == peer
+
+
+def _timeouts_after_a_late_start(rank, world_size, late_rank, late_s, comm_timeout_s):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, link_groups, shutdown_parallel
+
+    if rank == late_rank:
+        time.sleep(late_s)  # a slow import, a loaded node
+    layout = init_parallel(read_launch(), 2, timeout_s=comm_timeout_s)
+    try:
+        (link,) = link_groups(layout, [(0, 1)]).values()
+        groups = {"world": dist.group.WORLD, "pp": layout.pp_group, "dp": layout.dp_group, "eval": layout.eval_pp_group,
+                  "norm": layout.norm_pp_group, "link": link, "io": layout.io_group}
+        # What each group's operations wait for a peer (the backend's own setting).
+        return {name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for name, group in groups.items()}
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_a_rank_starting_later_than_comm_timeout_s_joins_and_then_every_group_waits_only_comm_timeout_s():
+    """comm_timeout_s (2 s here) bounds training's waits for a dead or stalled peer, on every group the
+    mesh makes (the dp group of pp 2 × dp 2 included); it does not bound the start, where one rank
+    arriving 5 s after the others is normal."""
+    from hf_asyncpp.parallel.mesh import IO_TIMEOUT
+
+    reports = run_ranks(4, _timeouts_after_a_late_start, 3, 5.0, 2.0)
+    for report in reports:
+        assert report == {"world": 2.0, "pp": 2.0, "dp": 2.0, "eval": 2.0, "norm": 2.0, "link": 2.0,
+                          "io": IO_TIMEOUT.total_seconds()}
+
+
+_ALL_REDUCE_WITH_A_LATE_PEER = """
+import datetime, sys, time
+import torch, torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(minutes=30))
+group = dist.new_group([0, 1])
+dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=2), group)
+start = time.monotonic()
+if rank == 0:
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        print("returned", time.monotonic() - start)
+    except RuntimeError:
+        print("failed", time.monotonic() - start)
+else:
+    time.sleep(8)  # never joins the all-reduce
+"""
+
+
+@pytest.mark.multirank
+def test_torch_private_set_pg_timeout_bounds_the_operations_of_a_gloo_group_made_with_a_longer_one():
+    """Pins `torch.distributed.distributed_c10d._set_pg_timeout`, which init_parallel and link_groups use
+    to give groups set up with the start-up timeout comm_timeout_s for training: an operation whose
+    peer never comes fails after the new timeout (2 s), not the one the group was made with (30 min)."""
+    import subprocess
+    import sys
+
+    from hf_asyncpp.parallel.mesh import free_port
+
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", _ALL_REDUCE_WITH_A_LATE_PEER, str(rank), port],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in (0, 1)]
+    outputs = [process.communicate(timeout=120)[0] for process in ranks]
+    outcome, seconds = outputs[0].split()
+    assert outcome == "failed" and 1.5 < float(seconds) < 6, outputs[0]
