@@ -5,9 +5,9 @@ replicas of one stage are neighbours (on GPUs, data-parallel traffic stays insid
 Backend: gloo on CPU, nccl on CUDA. Training's messages and collectives time out after
 comm_timeout_s (a dead or stalled peer), on every group made here; waits on another rank's I/O go
 through `io_group`, whose timeout is IO_TIMEOUT. The start (the rendezvous and the default group)
-waits up to STARTUP_TIMEOUT for the other ranks, whatever comm_timeout_s says: ranks start at different times (imports from a
-shared filesystem, CUDA initialisation, a loaded machine), and a short comm_timeout_s, chosen to
-notice a dead peer quickly, must not make the start itself fail.
+waits up to STARTUP_TIMEOUT for the other ranks, whatever comm_timeout_s says: ranks start at
+different times (imports from a shared filesystem, CUDA initialisation, a loaded machine), and a
+short comm_timeout_s, chosen to notice a dead peer quickly, must not make the start itself fail.
 """
 
 from __future__ import annotations

@@ -105,10 +105,11 @@ else:
 
 
 @pytest.mark.multirank
-def test_torch_private_set_pg_timeout_bounds_the_operations_of_a_gloo_group_made_with_a_longer_one():
-    """Pins `torch.distributed.distributed_c10d._set_pg_timeout`, which init_parallel and link_groups use
-    to give groups set up with the start-up timeout comm_timeout_s for training: an operation whose
-    peer never comes fails after the new timeout (2 s), not the one the group was made with (30 min)."""
+def test_torch_private_set_pg_timeout_bounds_the_collectives_of_a_gloo_group_made_with_a_longer_one():
+    """Pins `torch.distributed.distributed_c10d._set_pg_timeout`, which init_parallel uses to give the
+    default group (made with the start-up timeout) and the mesh's groups (torch's default) comm_timeout_s
+    for training: a collective whose peer never comes fails after the new timeout (2 s), not after the
+    one the group was made with (30 min)."""
     import subprocess
     import sys
 
