@@ -55,16 +55,16 @@ def test_an_edited_value_in_the_base_config_or_the_arm_makes_the_arm_stale(tmp_p
 
 
 def test_a_key_added_after_an_arm_ran_counts_as_its_default(tmp_path):
-    """A record written before `attn_implementation` existed ran with the behaviour the key's default keeps; an arm
-    that sets the key to another value is a different arm."""
+    """A record written before `shuffle_window` existed ran with the behaviour the key's default (10000)
+    keeps; an arm that sets the key to another value is a different arm."""
     study = _study(tmp_path / "a")
     settings = _settings(study, ARM)
-    old = {**settings, "config": {k: v for k, v in settings["config"].items() if k != "attn_implementation"}}
+    old = {**settings, "config": {k: v for k, v in settings["config"].items() if k != "shuffle_window"}}
     directory = _record(study, ARM, old)
-    assert settings["config"]["attn_implementation"] is None  # the default
+    assert settings["config"]["shuffle_window"] == 10_000  # the default, not None: the record must be filled in
     assert _finished(directory, settings)
-    eager = _study(tmp_path / "b", BASE_TEXT + "\nattn_implementation: eager\n")
-    assert not _finished(directory, _settings(eager, ARM))
+    other = _study(tmp_path / "b", BASE_TEXT + "\nshuffle_window: 500\n")
+    assert not _finished(directory, _settings(other, ARM))
 
 
 def test_a_record_of_the_earlier_format_or_a_broken_one_is_not_finished(tmp_path):
