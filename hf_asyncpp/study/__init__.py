@@ -18,7 +18,7 @@ from ..log import get_logger
 from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study
 from .results import collect_arms, results_rows, write_results
-from .runner import arm_dir, check_arms, run_arms
+from .runner import check_arms, finished_record, run_arms
 
 __all__ = ["Arm", "Study", "StudyError", "load_study", "read_chosen", "report", "run_study"]
 
@@ -39,14 +39,15 @@ def _tuning_record(trials: dict, chosen: dict, at_edge: set) -> dict:
 
 
 def read_chosen(study: Study) -> dict[tuple[str, float], float]:
-    """The learning rate of each (optimizer, momentum) that tuning.json records; without tuning.json,
-    each optimizer's first candidate. A tuning.json of the format before per-momentum tuning
-    ({"chosen": {optimizer: lr}}, tuned at the first momentum and used at all of them, as those arms
-    ran) gives that learning rate to every momentum value of the optimizer."""
+    """The learning rate of each (optimizer, momentum) that tuning.json records. Without tuning.json
+    (tuning not finished), the pick of the tuning arms finished so far, by the same rule, and each
+    optimizer's first candidate where none has finished. A tuning.json of the format before
+    per-momentum tuning ({"chosen": {optimizer: lr}}, tuned at the first momentum and used at all of
+    them, as those arms ran) gives that learning rate to every momentum value of the optimizer."""
     path = study.output_dir / TUNING
     chosen = study.first_learning_rates()
     if not path.is_file():
-        return chosen
+        return {**chosen, **_pick(_finished_trials(study, study.tuning_arms()))[0]}
     record = json.loads(path.read_text())
     if isinstance(record.get("chosen"), dict):  # the format before per-momentum tuning
         for optimizer, lr in record["chosen"].items():
@@ -60,6 +61,27 @@ def read_chosen(study: Study) -> dict[tuple[str, float], float]:
     return chosen
 
 
+def _finished_trials(study: Study, tuning: list[Arm]) -> dict[tuple[str, float], dict[float, float]]:
+    """The final validation loss of each tuning arm finished with its current settings, per
+    (optimizer, momentum) and learning rate; a pair none of whose arms finished has no entry."""
+    trials: dict[tuple[str, float], dict[float, float]] = {}
+    for arm in tuning:
+        record = finished_record(study, arm)
+        if record is not None:
+            trials.setdefault((arm.optimizer, arm.momentum), {})[arm.learning_rate] = record["final_eval"]["eval_loss"]
+    return trials
+
+
+def _pick(trials: dict) -> tuple[dict[tuple[str, float], float], set[tuple[str, float]]]:
+    """Per (optimizer, momentum), the learning rate with the lowest final validation loss; and the
+    pairs whose pick is the smallest or largest of three or more candidates (the optimum may lie
+    beyond them)."""
+    chosen = {pair: min(losses, key=losses.get) for pair, losses in trials.items()}
+    at_edge = {pair for pair, losses in trials.items()
+               if len(losses) >= 3 and chosen[pair] in (min(losses), max(losses))}
+    return chosen, at_edge
+
+
 def _choose_learning_rates(study: Study, log) -> dict[tuple[str, float], float]:
     """Run the tuning arms (those finished are skipped) and pick, per (optimizer, momentum), the
     learning rate with the lowest final validation loss; written to tuning.json."""
@@ -68,21 +90,14 @@ def _choose_learning_rates(study: Study, log) -> dict[tuple[str, float], float]:
     if not tuning:
         return chosen
     log(f"study: tuning learning rates on {len(tuning)} sync arms")
-    outcomes = run_arms(study, tuning, log)
-    trials: dict[tuple[str, float], dict[float, float]] = {}
-    for arm in tuning:
-        trials.setdefault((arm.optimizer, arm.momentum), {})
-        if outcomes[arm.name] != "failed":
-            loss = json.loads((arm_dir(study, arm) / "arm.json").read_text())["final_eval"]["eval_loss"]
-            trials[(arm.optimizer, arm.momentum)][arm.learning_rate] = loss
-    for (optimizer, momentum), losses in trials.items():
-        if not losses:
-            raise StudyError(f"every learning-rate trial of {optimizer} at momentum {momentum:g} failed "
-                             f"(see {study.output_dir / 'arms'})")
-        chosen[(optimizer, momentum)] = min(losses, key=losses.get)
-    # With three or more candidates, a best one at either end says the optimum may lie beyond them.
-    at_edge = {pair for pair, losses in trials.items()
-               if len(losses) >= 3 and chosen[pair] in (min(losses), max(losses))}
+    run_arms(study, tuning, log)
+    trials = _finished_trials(study, tuning)
+    untried = sorted({(arm.optimizer, arm.momentum) for arm in tuning} - set(trials))
+    if untried:
+        raise StudyError(f"every learning-rate trial of {untried[0][0]} at momentum {untried[0][1]:g} failed "
+                         f"(see {study.output_dir / 'arms'})")
+    picks, at_edge = _pick(trials)
+    chosen.update(picks)
     for pair in sorted(at_edge):
         end = "largest" if chosen[pair] == max(trials[pair]) else "smallest"
         log(f"study: warning: {pair[0]}'s best learning rate at momentum {pair[1]:g}, {chosen[pair]:g}, is the {end} "

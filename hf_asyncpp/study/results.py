@@ -80,6 +80,14 @@ def _delayed_modes(rows: list[dict]) -> list[str]:
     return sorted(modes, key=lambda m: ("+" in m, m.split("@")[0], int(m.split("@")[1].split("+")[0])))
 
 
+def _table_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table_head(columns: list[str]) -> list[str]:
+    return [_table_row(columns), "|" + "---|" * len(columns)]
+
+
 def summary_markdown(rows: list[dict]) -> str:
     """summary.md: gaps per (optimizer, momentum, EF λ) × delayed mode, then EF's share per mode."""
     modes = _delayed_modes(rows)
@@ -94,23 +102,22 @@ def summary_markdown(rows: list[dict]) -> str:
 
     lines = ["Gap to sync: validation loss − the sync arm's (same optimizer, momentum and seed), mean ± standard",
              "deviation of the paired differences (seeds).", "",
-             "| optimizer | momentum | EF λ | sync val_loss | " + " | ".join(modes) + " |",
-             "|---|---|---|---|" + "---|" * len(modes)]
+             *_table_head(["optimizer", "momentum", "EF λ", "sync val_loss", *modes])]
     for optimizer, momentum in pairs:
         sync = by_key.get((optimizer, momentum, 0.0, "sync"))
         base = f"{sync['val_loss']:.3f} ± {sync['val_loss_std']:.3f} ({sync['seeds']})" if sync else "–"
         for ef in lambdas:
             cells = [gap(by_key.get((optimizer, momentum, ef, mode))) for mode in modes]
-            lines.append(f"| {optimizer} | {momentum:g} | {ef:g} | {base} | " + " | ".join(cells) + " |")
+            lines.append(_table_row([optimizer, f"{momentum:g}", f"{ef:g}", base, *cells]))
     if any(ef > 0 for ef in lambdas):
         lines += ["", "Share of the EF-off gap that Error Feedback removes, (gap_off − gap_ef) / gap_off ('–': no",
                   "gap to remove, or an arm not finished).", "",
-                  "| optimizer | momentum | EF λ | " + " | ".join(modes) + " |", "|---|---|---|" + "---|" * len(modes)]
+                  *_table_head(["optimizer", "momentum", "EF λ", *modes])]
         for optimizer, momentum in pairs:
             for ef in (ef for ef in lambdas if ef > 0):
                 cells = [_cell("ef_recovered", (by_key.get((optimizer, momentum, ef, mode)) or {}).get("ef_recovered"))
                          for mode in modes]
-                lines.append(f"| {optimizer} | {momentum:g} | {ef:g} | " + " | ".join(cells) + " |")
+                lines.append(_table_row([optimizer, f"{momentum:g}", f"{ef:g}", *cells]))
     return "\n".join(lines) + "\n"
 
 
@@ -135,8 +142,7 @@ def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: 
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(c, row[c]) for c in COLUMNS) + " |" for row in rows]
+    lines = _table_head(COLUMNS) + [_table_row([_cell(c, row[c]) for c in COLUMNS]) for row in rows]
     if failed:
         lines += ["", f"Failed arms (not in the table): {', '.join(failed)}"]
     paths[2].write_text("\n".join(lines) + "\n")

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..log import get_logger
 from .grid import Arm, Study, StudyError
 
-__all__ = ["arm_dir", "check_arms", "run_arms"]
+__all__ = ["arm_dir", "check_arms", "finished_record", "run_arms"]
 
 logger = get_logger(__name__)
 
@@ -99,25 +99,33 @@ def _settings(study: Study, arm: Arm) -> dict:
     return {"config": _config_values(_config(study, arm)), "launch": study.launch}
 
 
-def _finished(directory: Path, settings: dict) -> bool:
-    """Whether the arm in `directory` finished with `settings`. A key its record lacks (added to the
-    config after it ran) counts as that key's default, which keeps the behaviour from before the key."""
+def _finished(directory: Path, settings: dict) -> dict | None:
+    """The record of the arm in `directory` if it finished with `settings`, else None. A key its record
+    lacks (added to the config after it ran) counts as that key's default, which keeps the behaviour
+    from before the key."""
     try:
-        ran = json.loads((directory / DONE).read_text()).get("settings") or {}
+        record = json.loads((directory / DONE).read_text())
     except (OSError, ValueError):
-        return False
+        return None
     from ..config import TrainConfig
 
     defaults = _config_values(TrainConfig())
+    ran = record.get("settings") or {}
     ran_config = ran.get("config") or {}
-    return ran.get("launch") == settings["launch"] and bool(ran_config) and all(
+    same = ran.get("launch") == settings["launch"] and bool(ran_config) and all(
         ran_config.get(key, defaults.get(key)) == value for key, value in settings["config"].items())
+    return record if same else None
+
+
+def finished_record(study: Study, arm: Arm) -> dict | None:
+    """`arm`'s arm.json record if it finished with the settings it would run with now, else None."""
+    return _finished(arm_dir(study, arm), _settings(study, arm))
 
 
 def _run_one(study: Study, arm: Arm, log) -> str:
     directory = arm_dir(study, arm)
     settings = _settings(study, arm)
-    if _finished(directory, settings):
+    if _finished(directory, settings) is not None:
         return "skipped"
     if (directory / DONE).is_file():
         log(f"study: {arm.name}: its settings changed since it ran; running it again")

@@ -71,6 +71,23 @@ def test_the_untuned_pick_is_every_optimizers_first_candidate_at_every_momentum(
     assert read_chosen(study) == study.first_learning_rates()  # no tuning.json yet
 
 
+def test_before_tuning_json_exists_the_finished_tuning_arms_pick_by_the_same_rule(tmp_path):
+    """A report while tuning still runs shows each (optimizer, momentum) at its best finished learning
+    rate, not at its first candidate; a pair with no finished trial keeps its first candidate."""
+    from hf_asyncpp.study.runner import _settings, arm_dir
+
+    study = _study(tmp_path)
+    losses = {1.0e-3: 4.8, 3.0e-3: 4.1}  # adamw at momentum 0.9 only: the better is the second candidate
+    for arm in study.tuning_arms():
+        if arm.momentum == 0.9:
+            directory = arm_dir(study, arm)
+            directory.mkdir(parents=True)
+            (directory / "arm.json").write_text(json.dumps(
+                {"arm": arm.__dict__, "settings": _settings(study, arm),
+                 "final_eval": {"eval_loss": losses[arm.learning_rate]}}))
+    assert read_chosen(study) == {**study.first_learning_rates(), ("adamw", 0.9): 3.0e-3}
+
+
 def test_tuning_json_records_one_pick_per_optimizer_and_momentum(tmp_path):
     from hf_asyncpp.study import _tuning_record
 

@@ -38,3 +38,11 @@ def test_the_summary_pivots_each_gap_and_ef_share_under_its_mode():
     assert on[2] == "1" and on[4:] == ["–", "+0.200 ± 0.071 (2)", "–"]  # EF ran on 2BW only
     header, share = _table(summary, "| optimizer | momentum | EF λ | pipedream")
     assert share == ["adamw", "0.9", "1", "–", "56%", "–"]  # (0.45 − 0.2) / 0.45
+
+
+def test_a_summary_of_sync_arms_alone_is_a_well_formed_table():
+    """Read part-way through a grid (only the tuning arms finished): one column per header cell."""
+    records = [_record(Arm(opt, "sync", 1, 0.0, 0.9, 1e-3, 0, 0), 3.0) for opt in ("adamw", "muon")]
+    lines = [line for line in summary_markdown(results_rows(records)).splitlines() if line.startswith("|")]
+    assert lines[0] == "| optimizer | momentum | EF λ | sync val_loss |" and lines[1] == "|---|---|---|---|"
+    assert all(line.count("|") == 5 for line in lines)
