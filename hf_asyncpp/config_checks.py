@@ -5,8 +5,9 @@ paths, the schedule's action lists, the launcher's settings): `validate_config` 
 
 from __future__ import annotations
 
-import re
+import functools
 import os
+import re
 
 from .config import ConfigError, TrainConfig
 from .log import get_logger
@@ -250,26 +251,49 @@ def check_model_fits(config: TrainConfig, model_config) -> None:
     _require(not (spec.synchronous and config.grad_clip_scope == "stage"),
              f"grad_clip_scope stage applies to asynchronous schedules; '{spec.name}' is synchronous and clips by "
              "the global norm (its stages wait for each other at every step anyway): use grad_clip_scope: global")
+    sync_steps = min(config.sync_steps, 2)
+    problem = _order_problem(schedule, sync_steps, depth, config.n_microbatches, False)
+    _require(problem is None, str(problem))
     try:
-        spec.check_microbatches(depth, config.n_microbatches)
         plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if not spec.synchronous and not emulating and config.clips_by_global_norm:
-        try:  # the updates wait for every stage's norm (schedules/async_order.GlobalClipping)
-            spec.check_microbatches(depth, config.n_microbatches, clip_globally=True)
-        except ValueError as err:
-            raise ConfigError(f"{err}. Clipping by the global norm (max_grad_norm {config.max_grad_norm}, "
-                              "grad_clip_scope global) cannot run this order: set grad_clip_scope: stage to clip "
-                              "each stage by its own norm, or max_grad_norm: 0") from None
-        # Timed without the sync start: the steps after the switch are the ones that would wait.
-        clipped, _ = schedule.steady_step(depth, config.n_microbatches, clip_globally=True)
-        unclipped, _ = schedule.steady_step(depth, config.n_microbatches)
-        if clipped > 1.01 * unclipped:  # e.g. PipeDream: a stage needs each update right after its backward
+        # the updates wait for every stage's norm (schedules/async_order.GlobalClipping)
+        problem = _order_problem(schedule, sync_steps, depth, config.n_microbatches, True)
+        _require(problem is None, f"{problem}. Clipping by the global norm (max_grad_norm {config.max_grad_norm}, "
+                                  "grad_clip_scope global) cannot run this order: set grad_clip_scope: stage to clip "
+                                  "each stage by its own norm, or max_grad_norm: 0")
+        slowdown = _global_clipping_slowdown(schedule, depth, config.n_microbatches)
+        if slowdown > 1.01:  # e.g. PipeDream: a stage needs each update right after its backward
             logger.warning(f"{spec.name} clipped by the global norm: its stages wait for each other's gradient norms; "
                            f"in the schedule's timing model (a backward costs two forwards) a step takes "
-                           f"{clipped / unclipped:.2f}× as long as with grad_clip_scope: stage, which keeps the "
+                           f"{slowdown:.2f}× as long as with grad_clip_scope: stage, which keeps the "
                            "pipeline busy (docs/optimizers.md)")
+
+
+# The schedule checks below play the order in one process (tenths of a second to seconds at depth 8);
+# they depend on these few values alone (a schedule's spec is immutable), and a study checks hundreds
+# of arms that share them.
+
+@functools.lru_cache(maxsize=256)
+def _order_problem(schedule, sync_steps: int, depth: int, n_microbatches: int, clip_globally: bool) -> str | None:
+    """Why `schedule` (a ScheduleSpec; its first `sync_steps` steps synchronous) cannot run
+    n_microbatches at this depth (with its updates clipped by the global norm), or None."""
+    try:
+        schedule.starting_synchronously(sync_steps).check_microbatches(depth, n_microbatches, clip_globally=clip_globally)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _global_clipping_slowdown(schedule, depth: int, n_microbatches: int) -> float:
+    """`schedule`'s steady step clipped by the global norm over its step clipped by stage, in the timing
+    model; timed without a sync start: the steps after the switch are the ones that would wait."""
+    clipped, _ = schedule.steady_step(depth, n_microbatches, clip_globally=True)
+    unclipped, _ = schedule.steady_step(depth, n_microbatches)
+    return clipped / unclipped
 
 
 def validate_config(config: TrainConfig, world_size: int):

@@ -32,10 +32,21 @@ class StagePlan(tuple):
         return ", ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in enumerate(self))
 
 
-def layer_costs(config, balance: str) -> tuple[list[float], float, float]:
+def layer_costs(config, balance: str) -> tuple[tuple[float, ...], float, float]:
     """(per-layer cost, extra cost of the first stage, extra cost of the last stage)."""
     if balance == "layers":
-        return [1.0] * config.num_hidden_layers, 0.0, 0.0
+        return (1.0,) * config.num_hidden_layers, 0.0, 0.0
+    key = (config.to_json_string(use_diff=False), balance)
+    if key not in _PARAMETER_COSTS:  # a study checks hundreds of arms of one model
+        _PARAMETER_COSTS[key] = _parameter_costs(config, balance)
+    return _PARAMETER_COSTS[key]
+
+
+_PARAMETER_COSTS: dict[tuple[str, str], tuple[tuple[float, ...], float, float]] = {}  # by the config's content
+
+
+def _parameter_costs(config, balance: str) -> tuple[tuple[float, ...], float, float]:
+    """layer_costs from the model's parameter counts, on a meta-device model."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     top_k = getattr(model, "num_experts_per_tok", None)
@@ -50,7 +61,7 @@ def layer_costs(config, balance: str) -> tuple[list[float], float, float]:
             total += param.numel() * share
         return total
 
-    per_layer = [cost(layer) for layer in model.model.layers]
+    per_layer = tuple(cost(layer) for layer in model.model.layers)
     first = 0.0 if balance == "compute" else cost(model.model.embed_tokens)
     last = cost(model.model.norm) + cost(model.lm_head)
     return per_layer, first, last
