@@ -92,11 +92,20 @@ def _config_values(config) -> dict:
     return json.loads(json.dumps({k: v for k, v in values.items() if k not in _PLACEMENT_KEYS}))
 
 
+def _read_by_its_optimizer(config) -> dict:
+    """The config's values less the keys only another optimizer reads (`soap_*` in an AdamW arm, say)."""
+    from ..optim import OPTIMIZER_NAMES
+
+    others = tuple(f"{name}_" for name in OPTIMIZER_NAMES if name != config.optimizer)
+    return {k: v for k, v in _config_values(config).items() if not k.startswith(others)}
+
+
 def _settings(study: Study, arm: Arm) -> dict:
     """What an arm's result depends on: its resolved config (base config and every override; the files'
-    comments and layout do not count) and how it is launched. A finished arm whose settings differ (a
-    value in the study file or base config was edited) is run again."""
-    return {"config": _config_values(_config(study, arm)), "launch": study.launch}
+    comments and layout do not count; nor keys of other optimizers than its own, so that a SOAP setting
+    in the study's base reruns the SOAP arms alone) and how it is launched. A finished arm whose
+    settings differ (a value in the study file or base config was edited) is run again."""
+    return {"config": _read_by_its_optimizer(_config(study, arm)), "launch": study.launch}
 
 
 def _finished(directory: Path, settings: dict) -> dict | None:

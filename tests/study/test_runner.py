@@ -73,3 +73,22 @@ def test_a_record_of_the_earlier_format_or_a_broken_one_is_not_finished(tmp_path
     assert not _finished(earlier, _settings(study, ARM))
     (earlier / "arm.json").write_text("{not json")
     assert not _finished(earlier, _settings(study, ARM))
+
+
+def test_a_setting_of_another_optimizer_reruns_only_that_optimizers_arms(tmp_path):
+    """soap_max_precond_dim added to a study's base: its SOAP arms run again, while an AdamW arm whose
+    record holds the previous value (records once held every key) stays finished; new records leave out
+    the keys only other optimizers read."""
+    from hf_asyncpp.study.runner import _config, _config_values
+
+    study = _study(tmp_path / "a")
+    soap = Arm(**{**ARM.__dict__, "optimizer": "soap"})
+    every_key = {"config": _config_values(_config(study, ARM)), "launch": study.launch}
+    assert every_key["config"]["soap_max_precond_dim"] == 4096
+    adamw_dir, soap_dir = _record(study, ARM, every_key), _record(study, soap)
+    edited = _study(tmp_path / "b", BASE_TEXT + "\nsoap_max_precond_dim: 1024\n")
+    assert _finished(adamw_dir, _settings(edited, ARM))
+    assert not _finished(soap_dir, _settings(edited, soap))
+    assert _finished(soap_dir, _settings(study, soap))
+    new_record = _settings(edited, ARM)["config"]
+    assert "adam_epsilon" in new_record and not any(k.startswith(("soap_", "muon_")) for k in new_record)
