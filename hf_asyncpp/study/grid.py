@@ -130,10 +130,12 @@ class Study:
 
     def arms(self, chosen_lr: Mapping) -> list[Arm]:
         """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`), seed
-        by seed: a grid run in parts has finished its first seeds' every arm before starting the next."""
+        by seed, and within a seed mode by mode in the file's order: a grid run in parts has finished its
+        first seeds' every arm before starting the next, and compares every optimizer at its first modes
+        before running the later ones."""
         arms = []
-        for seed, optimizer, (schedule, depth, sync_steps), momentum in itertools.product(
-                self.seeds, self.learning_rates, self.modes, self.momentums):
+        for seed, (schedule, depth, sync_steps), optimizer, momentum in itertools.product(
+                self.seeds, self.modes, self.learning_rates, self.momentums):
             if schedule == "sync" and self.launch == "pipeline":
                 depth = self.depth  # a 1F1B pipeline as deep as the delayed arms: the same numerics as one rank
             lr = self.learning_rate(chosen_lr, optimizer, momentum)

@@ -55,6 +55,17 @@ def test_arms_come_seed_by_seed_so_a_grid_run_in_parts_finishes_whole_seeds_firs
     assert len(first_seed) == len(seeds) // 2  # every other setting is in the first seed
 
 
+def test_within_a_seed_every_optimizer_runs_a_mode_before_any_runs_the_next(tmp_path):
+    study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream@2"])
+    arms = [a for a in study.arms(study.first_learning_rates()) if a.seed == 0]
+    modes = [a.mode for a in arms]
+    assert modes == sorted(modes, key=modes.index)  # each mode's arms are contiguous, in the file's order
+    assert list(dict.fromkeys(modes)) == ["sync", "pipedream-2bw@2", "pipedream@2"]
+    first_delayed = [a for a in arms if not a.synchronous][:8]  # 2 optimizers × 2 momentum values × EF off/on
+    assert {a.optimizer for a in first_delayed} == {"adamw", "muon"}
+    assert {a.schedule for a in first_delayed} == {"pipedream-2bw"}
+
+
 def test_a_learning_rate_keyed_by_optimizer_alone_applies_to_all_its_momentum_values(tmp_path):
     study = _study(tmp_path)
     arms = study.arms({"adamw": 1.0e-3, ("muon", 0.95): 2.0e-2, "muon": 5.0e-2})
