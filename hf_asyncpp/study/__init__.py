@@ -5,8 +5,8 @@ Two phases, as the reference study ran them: each optimizer with several learnin
 for each momentum value, the one whose synchronous run (first seed) ends with the lowest validation
 loss (tuning.json records the trials and picks); then every arm runs with the pick of its optimizer
 and momentum, delayed arms with the learning rate tuned for sync, unchanged.
-The grid format is in grid.py, how arms run in runner.py, the table in results.py, the figures in
-figures.py.
+The grid format is in grid.py, how arms run in runner.py, the table in results.py, the reference
+study's claims held against it in claims.py, the figures in figures.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 from ..log import get_logger
 from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study
-from .results import collect_arms, results_rows, write_results
+from .claims import claims_markdown
+from .results import collect_arms, final_losses, results_rows, write_results
 from .runner import check_arms, finished_record, run_arms
 
 __all__ = ["Arm", "Study", "StudyError", "load_study", "read_chosen", "report", "run_study"]
@@ -108,12 +109,16 @@ def _choose_learning_rates(study: Study, log) -> dict[tuple[str, float], float]:
 
 
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
-    """Table and figures from the finished arms (the ones in the grid; tuning-only arms are left out)."""
+    """Table, claims and figures from the finished arms (the ones in the grid; tuning-only arms are left
+    out)."""
     records = collect_arms(study.output_dir / "arms")
     in_grid = {a.name for a in study.arms(read_chosen(study))}
     records = [r for r in records if Arm.from_record(r).name in in_grid]
     rows = results_rows(records)
-    return write_results(study.output_dir, rows, records, failed or []) + write_figures(study.output_dir, rows, records)
+    claims = study.output_dir / "claims.md"
+    claims.write_text(claims_markdown(study, final_losses(records)))
+    return [*write_results(study.output_dir, rows, records, failed or []), claims,
+            *write_figures(study.output_dir, rows, records)]
 
 
 def run_study(path: str | Path, log=logger.info) -> list[Path]:

@@ -38,7 +38,7 @@ from typing import Mapping
 
 import yaml
 
-__all__ = ["Arm", "Study", "StudyError", "load_study"]
+__all__ = ["Arm", "Study", "StudyError", "load_study", "mode_name"]
 
 LAUNCHES = ("emulator", "pipeline")
 _KEYS = {"name", "base_config", "base", "optimizers", "modes", "depth", "ef", "momentum", "seeds", "launch",
@@ -47,6 +47,13 @@ _KEYS = {"name", "base_config", "base", "optimizers", "modes", "depth", "ef", "m
 
 class StudyError(ValueError):
     """A study file that cannot run."""
+
+
+def mode_name(schedule: str, depth: int, sync_steps: int = 0) -> str:
+    """A mode as the results name it: `sync`, `schedule@depth`, `schedule@depth+syncN`."""
+    if schedule == "sync":
+        return "sync"
+    return f"{schedule}@{depth}" + (f"+sync{sync_steps}" if sync_steps else "")
 
 
 @dataclass(frozen=True)
@@ -72,9 +79,7 @@ class Arm:
     @property
     def mode(self) -> str:
         """The delay mode without optimizer, EF and seed: `sync`, `pipedream-2bw@2`, `pipedream-2bw@2+sync100`, …"""
-        if self.synchronous:
-            return "sync"
-        return f"{self.schedule}@{self.depth}" + (f"+sync{self.sync_steps}" if self.sync_steps else "")
+        return mode_name(self.schedule, self.depth, self.sync_steps)
 
     @property
     def name(self) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["collect_arms", "results_rows", "summary_markdown", "write_results"]
+__all__ = ["collect_arms", "final_losses", "results_rows", "summary_markdown", "write_results"]
 
 COLUMNS = ("optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
            "gap", "gap_std", "ef_recovered")
@@ -43,15 +43,20 @@ def _std(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def results_rows(records: list[dict]) -> list[dict]:
-    """The table's rows, sync first within each optimizer."""
+def final_losses(records: list[dict]) -> dict[tuple, dict[int, float]]:
+    """Each arm's final validation loss: (optimizer, mode, EF λ, momentum) → seed → loss."""
     losses: dict[tuple, dict[int, float]] = defaultdict(dict)
-    learning_rates: dict[tuple, float] = {}
     for r in records:
         a = r["arm"]
-        key = (a["optimizer"], r["mode"], a["ef_lambda"], a["momentum"])
-        losses[key][a["seed"]] = r["final_eval"]["eval_loss"]
-        learning_rates[key] = a["learning_rate"]
+        losses[(a["optimizer"], r["mode"], a["ef_lambda"], a["momentum"])][a["seed"]] = r["final_eval"]["eval_loss"]
+    return dict(losses)
+
+
+def results_rows(records: list[dict]) -> list[dict]:
+    """The table's rows, sync first within each optimizer."""
+    losses = final_losses(records)
+    learning_rates = {(r["arm"]["optimizer"], r["mode"], r["arm"]["ef_lambda"], r["arm"]["momentum"]):
+                      r["arm"]["learning_rate"] for r in records}
 
     def gap(key) -> tuple[float | None, float | None]:
         sync = losses.get((key[0], "sync", 0.0, key[3]))
@@ -80,12 +85,12 @@ def _delayed_modes(rows: list[dict]) -> list[str]:
     return sorted(modes, key=lambda m: ("+" in m, m.split("@")[0], int(m.split("@")[1].split("+")[0])))
 
 
-def _table_row(cells: list[str]) -> str:
+def markdown_row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _table_head(columns: list[str]) -> list[str]:
-    return [_table_row(columns), "|" + "---|" * len(columns)]
+def markdown_head(columns: list[str]) -> list[str]:
+    return [markdown_row(columns), "|" + "---|" * len(columns)]
 
 
 def summary_markdown(rows: list[dict]) -> str:
@@ -102,22 +107,22 @@ def summary_markdown(rows: list[dict]) -> str:
 
     lines = ["Gap to sync: validation loss − the sync arm's (same optimizer, momentum and seed), mean ± standard",
              "deviation of the paired differences (seeds).", "",
-             *_table_head(["optimizer", "momentum", "EF λ", "sync val_loss", *modes])]
+             *markdown_head(["optimizer", "momentum", "EF λ", "sync val_loss", *modes])]
     for optimizer, momentum in pairs:
         sync = by_key.get((optimizer, momentum, 0.0, "sync"))
         base = f"{sync['val_loss']:.3f} ± {sync['val_loss_std']:.3f} ({sync['seeds']})" if sync else "–"
         for ef in lambdas:
             cells = [gap(by_key.get((optimizer, momentum, ef, mode))) for mode in modes]
-            lines.append(_table_row([optimizer, f"{momentum:g}", f"{ef:g}", base, *cells]))
+            lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", base, *cells]))
     if any(ef > 0 for ef in lambdas):
         lines += ["", "Share of the EF-off gap that Error Feedback removes, (gap_off − gap_ef) / gap_off ('–': no",
                   "gap to remove, or an arm not finished).", "",
-                  *_table_head(["optimizer", "momentum", "EF λ", *modes])]
+                  *markdown_head(["optimizer", "momentum", "EF λ", *modes])]
         for optimizer, momentum in pairs:
             for ef in (ef for ef in lambdas if ef > 0):
                 cells = [_cell("ef_recovered", (by_key.get((optimizer, momentum, ef, mode)) or {}).get("ef_recovered"))
                          for mode in modes]
-                lines.append(_table_row([optimizer, f"{momentum:g}", f"{ef:g}", *cells]))
+                lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", *cells]))
     return "\n".join(lines) + "\n"
 
 
@@ -142,7 +147,7 @@ def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: 
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    lines = _table_head(COLUMNS) + [_table_row([_cell(c, row[c]) for c in COLUMNS]) for row in rows]
+    lines = markdown_head(COLUMNS) + [markdown_row([_cell(c, row[c]) for c in COLUMNS]) for row in rows]
     if failed:
         lines += ["", f"Failed arms (not in the table): {', '.join(failed)}"]
     paths[2].write_text("\n".join(lines) + "\n")

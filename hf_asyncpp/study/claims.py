@@ -1,0 +1,217 @@
+"""The reference study's claims held against a study's finished arms: claims.md.
+
+Each claim states what the reference study (Zmushko et al., ICML 2026) reports — numbers at 360M, dense,
+PipeDream-2BW, from its Tables 1 and 2 as transcribed in docs/studies.md — and, for every optimizer and
+momentum value the grid runs, one *effect*: a difference of final validation losses computed per seed
+(paired by seed: the same data order and initial weights), whose sign the claim predicts. "The gap" is
+an arm's loss minus the sync arm's of the same optimizer, momentum and seed; the delayed mode the claims
+about optimizers and EF use is PipeDream-2BW at the grid's smallest depth.
+
+The verdict, one rule for every effect: with n ≥ 2 seeds the effect counts when its mean differs from 0
+by more than the two-sided 95% Student-t bound, t(n − 1) · sd / √n (a paired t-test):
+- a claim that the effect is positive is `reproduced` when the mean is above the bound, `opposite` when
+  below its negative, else `not beyond noise`;
+- a claim that it is not positive (a gap that does not grow, a delayed run that matches sync) is
+  `reproduced` unless the mean is above the bound (`not reproduced`).
+One seed has no spread: the verdict then says only whether the sign agrees (`agrees (1 seed)`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .grid import Study, mode_name
+from .results import markdown_head, markdown_row
+
+__all__ = ["CLAIMS", "Claim", "Effect", "claims_markdown", "verdict"]
+
+# Two-sided 95% quantiles of Student's t, by degrees of freedom (seeds − 1), to 3 decimals.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def _t95(df: int) -> float:
+    """The two-sided 95% t quantile: the table, and beyond it the expansion about the normal quantile
+    (Abramowitz & Stegun 26.7.5, three terms): within 5e-4 of the exact quantile everywhere."""
+    if df in _T95:
+        return _T95[df]
+    z = 1.959964
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def verdict(values: list[float], expect_positive: bool) -> str:
+    """The verdict on an effect's per-seed values (the module's rule)."""
+    if not values:
+        return "not measured yet"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        agrees = mean > 0 if expect_positive else mean <= 0
+        return "agrees (1 seed)" if agrees else "disagrees (1 seed)"
+    bound = _t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    if expect_positive:
+        return "reproduced" if mean > bound else "opposite" if mean < -bound else "not beyond noise"
+    return "not reproduced" if mean > bound else "reproduced"
+
+
+@dataclass(frozen=True)
+class Effect:
+    subject: str  # what is compared, e.g. "adamw − muon, momentum 0.9"
+    values: list[float]  # per seed, paired
+    measured: str  # what the arms show, in the claim's own terms
+
+
+class _Grid:
+    """A study's finished arms, as the claims read them: per-seed gaps of its modes."""
+
+    def __init__(self, study: Study, losses: dict[tuple, dict[int, float]]):
+        self.losses, self.optimizers, self.momentums = losses, list(study.learning_rates), study.momentums
+        plain = [(schedule, depth) for schedule, depth, sync_steps in study.modes if schedule != "sync" and not sync_steps]
+        self.depths = {s: sorted({d for t, d in plain if t == s}) for s, _ in plain}
+        self.ef = max(study.ef_lambdas, default=0.0)  # the EF arms the claims read
+
+    def mode(self, schedule: str, deepest: bool = False) -> str | None:
+        depths = self.depths.get(schedule)
+        return mode_name(schedule, depths[-1] if deepest else depths[0]) if depths else None
+
+    def gap(self, optimizer: str, mode: str, momentum: float, ef: float = 0.0) -> dict[int, float]:
+        arm = self.losses.get((optimizer, mode, ef, momentum), {})
+        sync = self.losses.get((optimizer, "sync", 0.0, momentum), {})
+        return {seed: loss - sync[seed] for seed, loss in arm.items() if seed in sync}
+
+
+def _paired(a: dict[int, float], b: dict[int, float], scale_a: float = 1.0) -> list[float]:
+    """scale_a · a − b, seed by seed, over the seeds both have."""
+    return [scale_a * a[seed] - b[seed] for seed in sorted(a) if seed in b]
+
+
+def _mean(values: dict[int, float]) -> str:
+    return f"{statistics.fmean(values.values()):+.3f}" if values else "–"
+
+
+def _optimizer_gaps(g: _Grid) -> list[Effect]:
+    mode = g.mode("pipedream-2bw")
+    if mode is None or "adamw" not in g.optimizers:
+        return []
+    return [Effect(f"adamw − {other}, momentum {m:g}", _paired(adamw, theirs), f"adamw {_mean(adamw)}, {other} {_mean(theirs)}")
+            for m in g.momentums for other in g.optimizers if other != "adamw"
+            for adamw, theirs in [(g.gap("adamw", mode, m), g.gap(other, mode, m))]]
+
+
+def _ef_matches_sync(g: _Grid) -> list[Effect]:
+    mode = g.mode("pipedream-2bw")
+    if mode is None or g.ef <= 0:
+        return []
+    return [Effect(f"{o}, momentum {m:g}", list(gap.values()), f"gap with EF {_mean(gap)}")
+            for o in g.optimizers for m in g.momentums for gap in [g.gap(o, mode, m, g.ef)]]
+
+
+def _ef_removes_half(g: _Grid) -> list[Effect]:
+    mode = g.mode("pipedream-2bw")
+    if mode is None or g.ef <= 0:
+        return []
+    effects = []
+    for o in g.optimizers:
+        for m in g.momentums:
+            off, on = g.gap(o, mode, m), g.gap(o, mode, m, g.ef)
+            values = _paired(off, on, scale_a=0.5)  # > 0: EF's gap is below half the gap without it
+            shown = "–"
+            if values:
+                mean_off = statistics.fmean(off[s] for s in off if s in on)
+                mean_on = statistics.fmean(on[s] for s in off if s in on)
+                share = f"{(mean_off - mean_on) / mean_off:.0%}" if mean_off > 0 else "no gap to remove"
+                shown = f"{share} (gap {mean_off:+.3f} → {mean_on:+.3f})"
+            effects.append(Effect(f"{o}, momentum {m:g}", values, shown))
+    return effects
+
+
+def _momentum(g: _Grid) -> list[Effect]:
+    mode = g.mode("pipedream-2bw")
+    if mode is None or len(g.momentums) < 2:
+        return []
+    low, high = min(g.momentums), max(g.momentums)
+    return [Effect(f"{o}, momentum {low:g} − {high:g}", _paired(a, b), f"{_mean(a)} → {_mean(b)}")
+            for o in g.optimizers for a, b in [(g.gap(o, mode, low), g.gap(o, mode, high))]]
+
+
+def _growth_with_depth(schedule: str) -> Callable[[_Grid], list[Effect]]:
+    def effects(g: _Grid) -> list[Effect]:
+        if len(g.depths.get(schedule, [])) < 2:
+            return []
+        shallow, deep = g.mode(schedule), g.mode(schedule, deepest=True)
+        return [Effect(f"{o}, momentum {m:g}, {deep} − {shallow}", _paired(b, a), f"{_mean(a)} → {_mean(b)}")
+                for o in g.optimizers for m in g.momentums for a, b in [(g.gap(o, shallow, m), g.gap(o, deep, m))]]
+    return effects
+
+
+def _pipedream_against_2bw(g: _Grid) -> list[Effect]:
+    common = sorted(set(g.depths.get("pipedream", [])) & set(g.depths.get("pipedream-2bw", [])))
+    if not common:
+        return []
+    pd, bw = mode_name("pipedream", common[-1]), mode_name("pipedream-2bw", common[-1])
+    return [Effect(f"{o}, momentum {m:g}, depth {common[-1]}", _paired(a, b), f"pipedream {_mean(a)}, 2bw {_mean(b)}")
+            for o in g.optimizers for m in g.momentums for a, b in [(g.gap(o, pd, m), g.gap(o, bw, m))]]
+
+
+@dataclass(frozen=True)
+class Claim:
+    statement: str
+    published: str
+    effect: str  # the per-seed difference its effects measure
+    expect_positive: bool  # the claim predicts its effects > 0 (else: not > 0)
+    effects: Callable[[_Grid], list[Effect]]
+
+
+CLAIMS = [
+    Claim("a one-step delay costs AdamW far more than Muon and SOAP",
+          "gap: AdamW +0.278, Muon +0.012, SOAP +0.027 (Table 1)",
+          "AdamW's gap − the other's", True, _optimizer_gaps),
+    Claim("with Error Feedback the delayed run matches the synchronous one",
+          "gap with EF: Muon +0.005, SOAP +0.009, AdamW +0.028 (Table 2); 10B MoE, Muon: 1.906 = 1.906",
+          "the gap with EF", False, _ef_matches_sync),
+    Claim("Error Feedback removes at least half of the gap (50–90%)",
+          "AdamW 90%, Muon 71%, SOAP 67% (Table 2)",
+          "½ · the gap without EF − the gap with EF", True, _ef_removes_half),
+    Claim("a higher momentum tolerates the delay better", "momentum sweep (Figure 4), no numbers",
+          "the gap at the lower momentum − at the higher", True, _momentum),
+    Claim("PipeDream-2BW's gap does not grow with the pipeline's depth",
+          "flat up to 16 stages (Section 6), no numbers",
+          "the gap at the largest depth − at the smallest", False, _growth_with_depth("pipedream-2bw")),
+    Claim("PipeDream's gap grows with the pipeline's depth",
+          "degrades sharply at 16 stages (Section 6), no numbers",
+          "the gap at the largest depth − at the smallest", True, _growth_with_depth("pipedream")),
+    Claim("at equal depth PipeDream's gap exceeds PipeDream-2BW's", "Section 6, no numbers",
+          "PipeDream's gap − PipeDream-2BW's, at the largest depth both run", True, _pipedream_against_2bw),
+]
+
+
+def _tally(verdicts: list[str]) -> str:
+    if not verdicts:
+        return "not in this grid"
+    return "; ".join(f"{v}: {verdicts.count(v)}" for v in dict.fromkeys(verdicts))
+
+
+def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
+    """claims.md: a line per claim (what is published, the verdicts' tally), then each claim's effects."""
+    grid = _Grid(study, losses)
+    measured = [(claim, claim.effects(grid)) for claim in CLAIMS]
+    lines = ["The reference study's claims against this grid's finished arms (rule: hf_asyncpp/study/claims.py).",
+             "An effect is a per-seed difference of final validation losses; with several seeds it counts when",
+             "its mean exceeds the two-sided 95% Student-t bound of a paired test.", "",
+             *markdown_head(["claim", "published (360M dense, PipeDream-2BW)", "verdicts here"])]
+    for claim, effects in measured:
+        lines.append(markdown_row([claim.statement, claim.published,
+                                   _tally([verdict(e.values, claim.expect_positive) for e in effects])]))
+    for claim, effects in measured:
+        if not effects:
+            continue
+        predicted = "> 0" if claim.expect_positive else "not > 0"
+        lines += ["", f"**{claim.statement}**: effect = {claim.effect}, predicted {predicted}", "",
+                  *markdown_head(["compared", "measured (seed means)", "effect", "verdict"])]
+        for e in effects:
+            effect = (f"{statistics.fmean(e.values):+.3f} ± {statistics.stdev(e.values) if len(e.values) > 1 else 0:.3f}"
+                      f" ({len(e.values)})") if e.values else "–"
+            lines.append(markdown_row([e.subject, e.measured, effect, verdict(e.values, claim.expect_positive)]))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,121 @@
+"""The reference study's claims against a grid's arms (claims.md): the verdict rule is a paired two-sided
+95% t-test (checked against scipy's), and each claim reads the per-seed differences it names."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+from scipy import stats
+
+from hf_asyncpp.study import load_study
+from hf_asyncpp.study.claims import CLAIMS, claims_markdown, verdict
+from hf_asyncpp.study.grid import Arm
+from hf_asyncpp.study.results import final_losses
+from tests.study.test_grid import BASE
+from tests.study.test_results import _record, _table
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 10, 40])
+def test_an_effect_counts_exactly_when_a_two_sided_paired_t_test_rejects_zero_at_5_percent(n):
+    rng = random.Random(n)
+    for _ in range(200):
+        values = [rng.gauss(rng.choice([0.0, 0.1, -0.1]), 0.1) for _ in range(n)]
+        result = stats.ttest_1samp(values, 0.0)
+        if abs(result.pvalue - 0.05) < 1e-3:
+            continue  # the rule's table holds t to 3 decimals
+        significant = result.pvalue < 0.05
+        positive = sum(values) > 0
+        expected = ("reproduced" if positive else "opposite") if significant else "not beyond noise"
+        assert verdict(values, expect_positive=True) == expected
+        assert verdict(values, expect_positive=False) == ("not reproduced" if significant and positive else "reproduced")
+
+
+def test_by_hand_three_seeds_need_a_mean_above_4_303_standard_errors():
+    # [1, 2, 3]: mean 2, sd 1, bound 4.303 / √3 = 2.484; [2, 3, 4]: mean 3 > 2.484.
+    assert verdict([1.0, 2.0, 3.0], True) == "not beyond noise"
+    assert verdict([2.0, 3.0, 4.0], True) == "reproduced"
+    assert verdict([-2.0, -3.0, -4.0], True) == "opposite"
+    assert verdict([], True) == "not measured yet"
+
+
+def test_one_seed_says_only_whether_the_sign_agrees():
+    assert verdict([0.2], True) == "agrees (1 seed)" and verdict([-0.2], True) == "disagrees (1 seed)"
+    assert verdict([0.0], False) == "agrees (1 seed)" and verdict([0.1], False) == "disagrees (1 seed)"
+
+
+def _study(tmp_path):
+    raw = dict(name="t", base_config=str(BASE), base={"max_steps": 300},
+               optimizers={"adamw": [1.0e-3], "muon": [2.0e-2]},
+               modes=["sync", "pipedream-2bw@2", "pipedream-2bw@4", "pipedream@2", "pipedream@4",
+                      "pipedream-2bw@2+sync50"],
+               ef=[0, 1.0], momentum=[0.9, 0.95], seeds=[0, 1, 2], output_dir=str(tmp_path / "out"))
+    (tmp_path / "study.yaml").write_text(json.dumps(raw))
+    return load_study(tmp_path / "study.yaml")
+
+
+# Gaps to sync by (optimizer, mode, EF λ), the same at both momentum values, seed noise ±0.01 around
+# them: AdamW's delay costs 0.5, Muon's 0.05; EF halves AdamW's gap and more than halves Muon's; PipeDream's
+# gap doubles from depth 2 to 4, 2BW's does not move; sync start costs 0.02.
+GAPS = {("adamw", "pipedream-2bw@2", 0.0): 0.5, ("adamw", "pipedream-2bw@2", 1.0): 0.2,
+        ("adamw", "pipedream-2bw@4", 0.0): 0.5, ("adamw", "pipedream@2", 0.0): 0.4, ("adamw", "pipedream@4", 0.0): 0.8,
+        ("muon", "pipedream-2bw@2", 0.0): 0.05, ("muon", "pipedream-2bw@2", 1.0): 0.0,
+        ("muon", "pipedream-2bw@4", 0.0): 0.05, ("muon", "pipedream@2", 0.0): 0.04, ("muon", "pipedream@4", 0.0): 0.08,
+        ("adamw", "pipedream-2bw@2+sync50", 0.0): 0.02}
+NOISE = (0.01, -0.01, 0.0)
+
+
+def _records():
+    records = []
+    for optimizer in ("adamw", "muon"):
+        for momentum in (0.9, 0.95):
+            for seed, noise in enumerate(NOISE):
+                sync = 3.0 + seed / 10
+                records.append(_record(Arm(optimizer, "sync", 1, 0.0, momentum, 1e-3, seed), sync))
+                for (o, mode, ef), gap in GAPS.items():
+                    if o != optimizer:
+                        continue
+                    schedule, rest = mode.split("@")
+                    depth, _, sync_steps = rest.partition("+sync")
+                    arm = Arm(optimizer, schedule, int(depth), ef, momentum, 1e-3, seed, int(sync_steps or 0))
+                    records.append(_record(arm, sync + gap + noise * (1 + seed)))
+    return records
+
+
+def test_each_claim_tallies_the_verdicts_of_its_effects(tmp_path):
+    text = claims_markdown(_study(tmp_path), final_losses(_records()))
+    header, *rows = _table(text, "| claim |")
+    verdicts = {row[0]: row[2] for row in rows}
+    assert [row[0] for row in rows] == [claim.statement for claim in CLAIMS]
+    assert verdicts["a one-step delay costs AdamW far more than Muon and SOAP"] == "reproduced: 2"  # 2 momenta
+    # AdamW keeps +0.2 with EF (not reproduced); Muon's +0.0 ± noise is within it.
+    assert verdicts["with Error Feedback the delayed run matches the synchronous one"] == \
+        "not reproduced: 2; reproduced: 2"
+    # AdamW: ½ · 0.5 − 0.2 = +0.05 beyond noise; Muon: ½ · 0.05 − 0.0 = +0.025, also beyond it.
+    assert verdicts["Error Feedback removes at least half of the gap (50–90%)"] == "reproduced: 4"
+    # The same gap at both momentum values: no effect.
+    assert verdicts["a higher momentum tolerates the delay better"] == "not beyond noise: 2"
+    assert verdicts["PipeDream-2BW's gap does not grow with the pipeline's depth"] == "reproduced: 4"
+    assert verdicts["PipeDream's gap grows with the pipeline's depth"] == "reproduced: 4"
+    assert verdicts["at equal depth PipeDream's gap exceeds PipeDream-2BW's"] == "reproduced: 4"
+
+
+def test_an_effect_row_shows_the_seed_means_and_the_paired_effect(tmp_path):
+    text = claims_markdown(_study(tmp_path), final_losses(_records()))
+    rows = _table(text, "| compared |")  # the first claim's effects
+    # AdamW's gaps per seed: 0.51, 0.48, 0.50 (noise × (1 + seed)); Muon's: 0.06, 0.03, 0.05.
+    assert rows[1] == ["adamw − muon, momentum 0.9", "adamw +0.497, muon +0.047", "+0.450 ± 0.000 (3)", "reproduced"]
+
+
+def test_claims_without_their_arms_say_so_and_a_grid_without_their_modes_has_none(tmp_path):
+    study = _study(tmp_path)
+    records = [r for r in _records() if r["arm"]["optimizer"] == "adamw" and r["arm"]["seed"] == 0]
+    verdicts = {row[0]: row[2] for row in _table(claims_markdown(study, final_losses(records)), "| claim |")[1:]}
+    assert verdicts["a one-step delay costs AdamW far more than Muon and SOAP"] == "not measured yet: 2"
+    assert verdicts["PipeDream's gap grows with the pipeline's depth"] == \
+        "agrees (1 seed): 2; not measured yet: 2"
+    sync_only = dataclasses.replace(study, modes=[("sync", 1, 0)])
+    verdicts = {row[0]: row[2] for row in _table(claims_markdown(sync_only, {}), "| claim |")[1:]}
+    assert set(verdicts.values()) == {"not in this grid"}
