@@ -3,7 +3,8 @@ MoE configs describe the models their headers, docs/scale.md and training_script
 the dense 135M and 360M model configs have the parameter counts that training_scripts/models/README.md's table
 states, and every study in training_scripts/studies/ loads and every one of its arms validates as the study
 runner would run it (at world size = depth for launch: pipeline), so a study cannot fail on a config error
-after hours of earlier arms.
+after hours of earlier arms. A study whose arms are committed (docs/results/<study>/) has its committed report
+equal to the one those arms give.
 
 The scale configs name files their header tells the user to prepare with Hub access (the SmolLM2 tokenizer,
 prepared training shards, a held-out parquet file): stand-ins replace them here — the shipped tokenizer, a
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hf_asyncpp.config import load_config
 from hf_asyncpp.config_checks import validate_config
@@ -209,3 +211,26 @@ def test_the_cpu_study_model_has_the_size_its_readme_states_and_its_own_reproduc
     subprocess.run([sys.executable, "training_scripts/build_tokenizer.py", "--vocab-size", "2048", "--out",
                     str(tmp_path)], check=True, capture_output=True)
     assert (tmp_path / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+
+
+COMMITTED_STUDIES = [p for p in STUDIES if str(yaml.safe_load(p.read_text()).get("output_dir", "")).startswith("docs/results/")]
+
+
+@pytest.mark.parametrize("path", COMMITTED_STUDIES, ids=lambda p: p.name)
+def test_a_committed_study_report_is_the_one_its_committed_arms_give(path, tmp_path, monkeypatch):
+    """The tables and claims in docs/results/<study>/ (which the README and docs/studies.md quote) are what
+    `--report-only` writes from the arms committed beside them: a report left stale by later arms fails."""
+    import dataclasses
+    import shutil
+
+    from hf_asyncpp.study import report
+
+    monkeypatch.chdir(REPO)
+    study = load_study(path)
+    committed = REPO / study.output_dir
+    shutil.copytree(committed / "arms", tmp_path / "arms", ignore=shutil.ignore_patterns("*.log", "*.txt"))
+    if (committed / "tuning.json").is_file():
+        shutil.copy(committed / "tuning.json", tmp_path)
+    report(dataclasses.replace(study, output_dir=tmp_path))
+    for name in ("summary.md", "claims.md", "results.md", "results.csv"):
+        assert (tmp_path / name).read_text() == (committed / name).read_text(), f"{committed / name} is stale"
