@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .grid import Study, mode_name
-from .results import markdown_head, markdown_row
+from .results import ef_share, markdown_head, markdown_row
 
 __all__ = ["CLAIMS", "Claim", "Effect", "claims_markdown", "verdict"]
 
@@ -121,7 +121,8 @@ def _ef_removes_half(g: _Grid) -> list[Effect]:
             if values:
                 mean_off = statistics.fmean(off[s] for s in off if s in on)
                 mean_on = statistics.fmean(on[s] for s in off if s in on)
-                share = f"{(mean_off - mean_on) / mean_off:.0%}" if mean_off > 0 else "no gap to remove"
+                removed = ef_share(mean_off, mean_on)
+                share = "no gap to remove" if removed is None else f"{removed:.0%}"
                 shown = f"{share} (gap {mean_off:+.3f} → {mean_on:+.3f})"
             effects.append(Effect(f"{o}, momentum {m:g}", values, shown))
     return effects

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["collect_arms", "final_losses", "results_rows", "summary_markdown", "write_results"]
+__all__ = ["collect_arms", "ef_share", "final_losses", "results_rows", "summary_markdown", "write_results"]
 
 COLUMNS = ("optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
            "gap", "gap_std", "ef_recovered")
@@ -52,6 +52,14 @@ def final_losses(records: list[dict]) -> dict[tuple, dict[int, float]]:
     return dict(losses)
 
 
+def ef_share(gap_off: float | None, gap_ef: float | None) -> float | None:
+    """The share of the EF-off gap that EF removes, (gap_off − gap_ef) / gap_off; None without a gap to
+    remove (or a gap not measured)."""
+    if gap_off is None or gap_ef is None or gap_off <= 0:
+        return None
+    return (gap_off - gap_ef) / gap_off
+
+
 def results_rows(records: list[dict]) -> list[dict]:
     """The table's rows, sync first within each optimizer."""
     losses = final_losses(records)
@@ -70,10 +78,8 @@ def results_rows(records: list[dict]) -> list[dict]:
         values = list(losses[key].values())
         gap_mean, gap_std = gap(key)
         recovered = None
-        if key[2] > 0:
-            off, _ = gap((key[0], key[1], 0.0, key[3])) if (key[0], key[1], 0.0, key[3]) in losses else (None, None)
-            if off is not None and gap_mean is not None and off > 0:
-                recovered = (off - gap_mean) / off
+        if key[2] > 0 and (key[0], key[1], 0.0, key[3]) in losses:
+            recovered = ef_share(gap((key[0], key[1], 0.0, key[3]))[0], gap_mean)
         rows.append(dict(zip(COLUMNS, (key[0], key[1], key[2], key[3], learning_rates[key], len(values),
                                        statistics.fmean(values), _std(values), gap_mean, gap_std, recovered))))
     return rows
