@@ -213,7 +213,8 @@ def test_the_cpu_study_model_has_the_size_its_readme_states_and_its_own_reproduc
     assert (tmp_path / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
 
 
-COMMITTED_STUDIES = [p for p in STUDIES if str(yaml.safe_load(p.read_text()).get("output_dir", "")).startswith("docs/results/")]
+COMMITTED_STUDIES = [p for p in STUDIES
+                     if str(yaml.safe_load(p.read_text()).get("output_dir", "")).startswith("docs/results/")]
 
 
 @pytest.mark.parametrize("path", COMMITTED_STUDIES, ids=lambda p: p.name)

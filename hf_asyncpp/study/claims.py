@@ -68,7 +68,8 @@ class _Grid:
 
     def __init__(self, study: Study, losses: dict[tuple, dict[int, float]]):
         self.losses, self.optimizers, self.momentums = losses, list(study.learning_rates), study.momentums
-        plain = [(schedule, depth) for schedule, depth, sync_steps in study.modes if schedule != "sync" and not sync_steps]
+        plain = [(schedule, depth) for schedule, depth, sync_steps in study.modes
+                 if schedule != "sync" and not sync_steps]
         self.depths = {s: sorted({d for t, d in plain if t == s}) for s, _ in plain}
         self.ef = max(study.ef_lambdas, default=0.0)  # the EF arms the claims read
 
@@ -95,7 +96,8 @@ def _optimizer_gaps(g: _Grid) -> list[Effect]:
     mode = g.mode("pipedream-2bw")
     if mode is None or "adamw" not in g.optimizers:
         return []
-    return [Effect(f"adamw − {other}, momentum {m:g}", _paired(adamw, theirs), f"adamw {_mean(adamw)}, {other} {_mean(theirs)}")
+    return [Effect(f"adamw − {other}, momentum {m:g}", _paired(adamw, theirs),
+                   f"adamw {_mean(adamw)}, {other} {_mean(theirs)}")
             for m in g.momentums for other in g.optimizers if other != "adamw"
             for adamw, theirs in [(g.gap("adamw", mode, m), g.gap(other, mode, m))]]
 
@@ -212,7 +214,7 @@ def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
         lines += ["", f"**{claim.statement}**: effect = {claim.effect}, predicted {predicted}", "",
                   *markdown_head(["compared", "measured (seed means)", "effect", "verdict"])]
         for e in effects:
-            effect = (f"{statistics.fmean(e.values):+.3f} ± {statistics.stdev(e.values) if len(e.values) > 1 else 0:.3f}"
-                      f" ({len(e.values)})") if e.values else "–"
+            spread = statistics.stdev(e.values) if len(e.values) > 1 else 0.0
+            effect = f"{statistics.fmean(e.values):+.3f} ± {spread:.3f} ({len(e.values)})" if e.values else "–"
             lines.append(markdown_row([e.subject, e.measured, effect, verdict(e.values, claim.expect_positive)]))
     return "\n".join(lines) + "\n"
