@@ -4,6 +4,7 @@
   processes, one pipeline stage each), trains (the loss falls), evaluates, and leaves an HF model
   directory that `from_pretrained` loads; its metrics.jsonl holds the keys the README names;
 - its test command is the one CI runs (.ci/run);
+- its Results table is the committed study report's headline table, verbatim;
 - every relative link in it and in docs/ points at a file (and heading) that exists.
 """
 
@@ -66,6 +67,15 @@ def test_the_trainer_example_runs_as_printed(tmp_path):
 def test_the_readme_test_command_is_the_one_ci_runs():
     [_, test_command] = _blocks(_section("Quickstart"), "bash")
     assert test_command.strip() in (REPO / ".ci" / "run").read_text()
+
+
+def test_the_results_table_is_the_committed_reports_headline():
+    """README Results quotes docs/results/<study>/headline.md between markers; the staleness test in
+    test_shipped_configs.py keeps that file what the committed arms give, so the README cannot drift."""
+    quoted = re.findall(r"<!-- headline: (\S+) -->\n(.*?)<!-- /headline -->", _section("Results"), flags=re.S)
+    assert quoted, "README Results quotes no headline table"
+    for path, table in quoted:
+        assert table == (REPO / path).read_text(), f"README Results is not {path}: copy it in"
 
 
 def _anchors(page: Path) -> set[str]:

@@ -53,8 +53,8 @@ def test_a_small_study_runs_its_table_follows_the_arms_metrics_and_a_crashed_arm
 
     paths = run_study(study_file, log=lambda *_: None)
     out = tmp_path / "study"
-    assert {p.name for p in paths} >= {"results.json", "results.csv", "results.md", "claims.md", "loss_curves.png",
-                                       "gap_bars.png"}
+    assert {p.name for p in paths} >= {"results.json", "results.csv", "results.md", "claims.md", "headline.md",
+                                       "loss_curves.png", "gap_bars.png"}
     arms = out / "arms"
     loss = {(mode, seed): _final_eval_loss(arms / f"adamw-{mode}-m0.9-lr0.003-s{seed}")
             for mode in ("sync", "pipedream-2bw-p2", "pipedream-2bw-p2-ef1") for seed in (0, 1)}
@@ -76,6 +76,10 @@ def test_a_small_study_runs_its_table_follows_the_arms_metrics_and_a_crashed_arm
     assert sync["gap"] == 0.0 and off["seeds"] == 2
     # claims.md reads the same per-seed gaps.
     assert f"| adamw, momentum 0.9 | gap with EF {statistics.fmean(gaps_on):+.3f} |" in (out / "claims.md").read_text()
+    # and the README's headline table gives sync, gap and gap with EF, each a mean ± its seed spread.
+    cell = (f"{sync['val_loss']:.3f} ± {sync['val_loss_std']:.3f}, {off['gap']:+.3f} ± {off['gap_std']:.3f}, "
+            f"{on['gap']:+.3f} ± {on['gap_std']:.3f} (2 seeds)")
+    assert f"| AdamW | 2.612, +0.278, +0.028 | {cell} |" in (out / "headline.md").read_text()
     # The delayed arms really ran delayed: weight-version age 1 after the first step.
     metrics = [json.loads(line) for line in (arms / "adamw-pipedream-2bw-p2-m0.9-lr0.003-s0" / "metrics.jsonl")
                .read_text().splitlines() if '"loss"' in line]

@@ -24,9 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .grid import Study, mode_name
-from .results import ef_share, markdown_head, markdown_row
+from .results import ef_share, markdown_head, markdown_row, seeds_label, spread
 
-__all__ = ["CLAIMS", "Claim", "Effect", "claims_markdown", "verdict"]
+__all__ = ["CLAIMS", "PUBLISHED", "Claim", "Effect", "claims_markdown", "headline_markdown", "verdict"]
+
+# The reference study at 360M, dense, PipeDream-2BW: per optimizer, the synchronous run's final validation
+# loss, the delayed run's gap to it (Table 1) and the gap with Error Feedback (Table 2).
+PUBLISHED = {"adamw": (2.612, 0.278, 0.028), "muon": (2.578, 0.012, 0.005), "soap": (2.581, 0.027, 0.009)}
 
 # Two-sided 95% quantiles of Student's t, by degrees of freedom (seeds − 1), to 3 decimals.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -81,6 +85,10 @@ class _Grid:
         arm = self.losses.get((optimizer, mode, ef, momentum), {})
         sync = self.losses.get((optimizer, "sync", 0.0, momentum), {})
         return {seed: loss - sync[seed] for seed, loss in arm.items() if seed in sync}
+
+
+def _std(values) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def _paired(a: dict[int, float], b: dict[int, float], scale_a: float = 1.0) -> list[float]:
@@ -158,6 +166,13 @@ def _pipedream_against_2bw(g: _Grid) -> list[Effect]:
             for o in g.optimizers for m in g.momentums for a, b in [(g.gap(o, pd, m), g.gap(o, bw, m))]]
 
 
+def _published(column: int) -> str:
+    return ", ".join(f"{_NAMES[o]} {numbers[column]:+.3f}" for o, numbers in PUBLISHED.items())
+
+
+_NAMES = {"adamw": "AdamW", "muon": "Muon", "soap": "SOAP"}
+
+
 @dataclass(frozen=True)
 class Claim:
     statement: str
@@ -169,13 +184,13 @@ class Claim:
 
 CLAIMS = [
     Claim("a one-step delay costs AdamW far more than Muon and SOAP",
-          "gap: AdamW +0.278, Muon +0.012, SOAP +0.027 (Table 1)",
+          f"gap: {_published(1)} (Table 1)",
           "AdamW's gap − the other's", True, _optimizer_gaps),
     Claim("with Error Feedback the delayed run matches the synchronous one",
-          "gap with EF: Muon +0.005, SOAP +0.009, AdamW +0.028 (Table 2); 10B MoE, Muon: 1.906 = 1.906",
+          f"gap with EF: {_published(2)} (Table 2); 10B MoE, Muon: 1.906 = 1.906",
           "the gap with EF", False, _ef_matches_sync),
     Claim("Error Feedback removes at least half of the gap (50–90%)",
-          "AdamW 90%, Muon 71%, SOAP 67% (Table 2)",
+          "AdamW 90%, Muon 71%, SOAP 67% (Table 2)",  # the paper's own shares, from its unrounded losses
           "½ · the gap without EF − the gap with EF", True, _ef_removes_half),
     Claim("a higher momentum tolerates the delay better", "momentum sweep (Figure 4), no numbers",
           "the gap at the lower momentum − at the higher", True, _momentum),
@@ -214,7 +229,40 @@ def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
         lines += ["", f"**{claim.statement}**: effect = {claim.effect}, predicted {predicted}", "",
                   *markdown_head(["compared", "measured (seed means)", "effect", "verdict"])]
         for e in effects:
-            spread = statistics.stdev(e.values) if len(e.values) > 1 else 0.0
-            effect = f"{statistics.fmean(e.values):+.3f} ± {spread:.3f} ({len(e.values)})" if e.values else "–"
+            effect = spread(statistics.fmean(e.values), _std(e.values), len(e.values)) if e.values else "–"
             lines.append(markdown_row([e.subject, e.measured, effect, verdict(e.values, claim.expect_positive)]))
+    return "\n".join(lines) + "\n"
+
+
+def _headline_cell(values: list[tuple[dict | None, str, bool]]) -> str:
+    """Seed means ± their spread, each from a results row (row, column, signed), with the seed count
+    printed once when all have the same; "–" when any is not measured yet."""
+    if any(row is None or row[column] is None for row, column, _ in values):
+        return "–"
+    counts = {row["seeds"] for row, _, _ in values}
+    shown = [spread(row[column], row[column + "_std"], row["seeds"], signed, count=len(counts) > 1)
+             for row, column, signed in values]
+    return ", ".join(shown) + (f" ({seeds_label(counts.pop())})" if len(counts) == 1 else "")
+
+
+def headline_markdown(study: Study, rows: list[dict]) -> str:
+    """headline.md, the table README Results quotes: per optimizer, the published sync loss, gap and gap
+    with EF beside this grid's at each momentum, for PipeDream-2BW at the grid's smallest depth."""
+    mode = _Grid(study, {}).mode("pipedream-2bw")
+    ef = max(study.ef_lambdas, default=0.0)
+    by_key = {(r["optimizer"], r["momentum"], r["ef_lambda"], r["mode"]): r for r in rows}
+    lines = markdown_head(["optimizer", "published, 360M dense: sync, gap, gap with EF",
+                           *(f"here, momentum {m:g}" for m in study.momentums)])
+    for o in study.learning_rates:
+        published = "–"
+        if o in PUBLISHED:
+            sync, gap, gap_ef = PUBLISHED[o]
+            published = f"{sync:.3f}, {gap:+.3f}, {gap_ef:+.3f}"
+        cells = []
+        for m in study.momentums:
+            values = [(by_key.get((o, m, 0.0, "sync")), "val_loss", False), (by_key.get((o, m, 0.0, mode)), "gap", True)]
+            if ef > 0:
+                values.append((by_key.get((o, m, ef, mode)), "gap", True))
+            cells.append(_headline_cell(values))
+        lines.append(markdown_row([_NAMES.get(o, o), published, *cells]))
     return "\n".join(lines) + "\n"

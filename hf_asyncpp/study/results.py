@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["collect_arms", "ef_share", "final_losses", "results_rows", "summary_markdown", "write_results"]
+__all__ = ["collect_arms", "ef_share", "final_losses", "results_rows", "spread", "summary_markdown", "write_results"]
 
 COLUMNS = ("optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
            "gap", "gap_std", "ef_recovered")
@@ -41,6 +41,19 @@ def collect_arms(arms_dir: Path) -> list[dict]:
 
 def _std(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def spread(mean: float, std: float, seeds: int, signed: bool = True, count: bool = True) -> str:
+    """A seed mean as the reports print it: `mean ± sample std (seeds)`; one seed has no spread to show.
+    Without `count`, the seed count is left for the caller to print once for several values."""
+    value = f"{mean:+.3f}" if signed else f"{mean:.3f}"
+    if seeds > 1:
+        value += f" ± {std:.3f}"
+    return f"{value} ({seeds_label(seeds)})" if count else value
+
+
+def seeds_label(seeds: int) -> str:
+    return "1 seed" if seeds == 1 else f"{seeds} seeds"
 
 
 def final_losses(records: list[dict]) -> dict[tuple, dict[int, float]]:
@@ -109,14 +122,14 @@ def summary_markdown(rows: list[dict]) -> str:
     def gap(row) -> str:
         if row is None or row["gap"] is None:
             return "–"
-        return f"{row['gap']:+.3f} ± {row['gap_std']:.3f} ({row['seeds']})"
+        return spread(row["gap"], row["gap_std"], row["seeds"])
 
     lines = ["Gap to sync: validation loss − the sync arm's (same optimizer, momentum and seed), mean ± standard",
              "deviation of the paired differences (seeds).", "",
              *markdown_head(["optimizer", "momentum", "EF λ", "sync val_loss", *modes])]
     for optimizer, momentum in pairs:
         sync = by_key.get((optimizer, momentum, 0.0, "sync"))
-        base = f"{sync['val_loss']:.3f} ± {sync['val_loss_std']:.3f} ({sync['seeds']})" if sync else "–"
+        base = spread(sync["val_loss"], sync["val_loss_std"], sync["seeds"], signed=False) if sync else "–"
         for ef in lambdas:
             cells = [gap(by_key.get((optimizer, momentum, ef, mode))) for mode in modes]
             lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", base, *cells]))

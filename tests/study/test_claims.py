@@ -11,9 +11,9 @@ import pytest
 from scipy import stats
 
 from hf_asyncpp.study import load_study
-from hf_asyncpp.study.claims import CLAIMS, claims_markdown, verdict
+from hf_asyncpp.study.claims import CLAIMS, claims_markdown, headline_markdown, verdict
 from hf_asyncpp.study.grid import Arm
-from hf_asyncpp.study.results import final_losses
+from hf_asyncpp.study.results import final_losses, results_rows
 from tests.study.test_grid import BASE
 from tests.study.test_results import _record, _table
 
@@ -106,7 +106,7 @@ def test_an_effect_row_shows_the_seed_means_and_the_paired_effect(tmp_path):
     text = claims_markdown(_study(tmp_path), final_losses(_records()))
     rows = _table(text, "| compared |")  # the first claim's effects
     # AdamW's gaps per seed: 0.51, 0.48, 0.50 (noise × (1 + seed)); Muon's: 0.06, 0.03, 0.05.
-    assert rows[1] == ["adamw − muon, momentum 0.9", "adamw +0.497, muon +0.047", "+0.450 ± 0.000 (3)", "reproduced"]
+    assert rows[1] == ["adamw − muon, momentum 0.9", "adamw +0.497, muon +0.047", "+0.450 ± 0.000 (3 seeds)", "reproduced"]
 
 
 def test_claims_without_their_arms_say_so_and_a_grid_without_their_modes_has_none(tmp_path):
@@ -119,3 +119,27 @@ def test_claims_without_their_arms_say_so_and_a_grid_without_their_modes_has_non
     sync_only = dataclasses.replace(study, modes=[("sync", 1, 0)])
     verdicts = {row[0]: row[2] for row in _table(claims_markdown(sync_only, {}), "| claim |")[1:]}
     assert set(verdicts.values()) == {"not in this grid"}
+
+
+def test_the_headline_puts_each_optimizers_published_numbers_beside_its_seed_means(tmp_path):
+    study = _study(tmp_path)
+    header, adamw, muon = _table(headline_markdown(study, results_rows(_records())), "| optimizer |")
+    assert header[2:] == ["here, momentum 0.9", "here, momentum 0.95"]
+    # sync 3.0, 3.1, 3.2; AdamW's 2BW@2 gaps 0.51, 0.48, 0.50 (sd 0.015), with EF 0.21, 0.18, 0.20.
+    assert adamw == ["AdamW", "2.612, +0.278, +0.028", "3.100 ± 0.100, +0.497 ± 0.015, +0.197 ± 0.015 (3 seeds)",
+                     "3.100 ± 0.100, +0.497 ± 0.015, +0.197 ± 0.015 (3 seeds)"]
+    assert muon[:3] == ["Muon", "2.578, +0.012, +0.005", "3.100 ± 0.100, +0.047 ± 0.015, -0.003 ± 0.015 (3 seeds)"]
+
+
+def test_a_headline_cell_counts_seeds_per_value_when_they_differ_and_waits_for_missing_arms(tmp_path):
+    def kept(r):  # AdamW's EF arm of seed 2 not finished; Muon's EF arms at momentum 0.95 none
+        a = r["arm"]
+        if a["ef_lambda"] and a["optimizer"] == "adamw" and a["seed"] == 2:
+            return False
+        return not (a["ef_lambda"] and a["optimizer"] == "muon" and a["momentum"] == 0.95)
+    rows = results_rows([r for r in _records() if kept(r)])
+    _, adamw, muon = _table(headline_markdown(_study(tmp_path), rows), "| optimizer |")
+    assert adamw[2] == "3.100 ± 0.100 (3 seeds), +0.497 ± 0.015 (3 seeds), +0.195 ± 0.021 (2 seeds)"
+    assert muon[3] == "–"
+    one_seed = results_rows([r for r in _records() if r["arm"]["seed"] == 0])
+    assert _table(headline_markdown(_study(tmp_path), one_seed), "| optimizer |")[1][2] == "3.000, +0.510, +0.210 (1 seed)"

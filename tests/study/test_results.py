@@ -32,10 +32,10 @@ def test_the_summary_pivots_each_gap_and_ef_share_under_its_mode():
     header, off, on = _table(summary, "| optimizer | momentum | EF λ | sync")
     # By schedule, then depth; sync start last.
     assert header[4:] == ["pipedream@4", "pipedream-2bw@2", "pipedream-2bw@2+sync100"]
-    assert off[:4] == ["adamw", "0.9", "0", "3.100 ± 0.141 (2)"]
+    assert off[:4] == ["adamw", "0.9", "0", "3.100 ± 0.141 (2 seeds)"]
     # PipeDream: +0.4 and +0.6 → +0.5 ± 0.141; 2BW: +0.5 and +0.4 → +0.45 ± 0.071; sync start: +0.1 both.
-    assert off[4:] == ["+0.500 ± 0.141 (2)", "+0.450 ± 0.071 (2)", "+0.100 ± 0.000 (2)"]
-    assert on[2] == "1" and on[4:] == ["–", "+0.200 ± 0.071 (2)", "–"]  # EF ran on 2BW only
+    assert off[4:] == ["+0.500 ± 0.141 (2 seeds)", "+0.450 ± 0.071 (2 seeds)", "+0.100 ± 0.000 (2 seeds)"]
+    assert on[2] == "1" and on[4:] == ["–", "+0.200 ± 0.071 (2 seeds)", "–"]  # EF ran on 2BW only
     header, share = _table(summary, "| optimizer | momentum | EF λ | pipedream")
     assert share == ["adamw", "0.9", "1", "–", "56%", "–"]  # (0.45 − 0.2) / 0.45
 
