@@ -76,10 +76,18 @@ class _Grid:
                  if schedule != "sync" and not sync_steps]
         self.depths = {s: sorted({d for t, d in plain if t == s}) for s, _ in plain}
         self.ef = max(study.ef_lambdas, default=0.0)  # the EF arms the claims read
+        self.study = study
 
     def mode(self, schedule: str, deepest: bool = False) -> str | None:
         depths = self.depths.get(schedule)
         return mode_name(schedule, depths[-1] if deepest else depths[0]) if depths else None
+
+    def ef_mode(self) -> str | None:
+        """The mode the EF claims read, 2BW at the smallest depth, when the grid runs it with EF."""
+        depths = self.depths.get("pipedream-2bw")
+        if not depths or self.ef <= 0 or self.ef not in self.study.mode_ef_lambdas(("pipedream-2bw", depths[0], 0)):
+            return None
+        return mode_name("pipedream-2bw", depths[0])
 
     def gap(self, optimizer: str, mode: str, momentum: float, ef: float = 0.0) -> dict[int, float]:
         arm = self.losses.get((optimizer, mode, ef, momentum), {})
@@ -111,16 +119,16 @@ def _optimizer_gaps(g: _Grid) -> list[Effect]:
 
 
 def _ef_matches_sync(g: _Grid) -> list[Effect]:
-    mode = g.mode("pipedream-2bw")
-    if mode is None or g.ef <= 0:
+    mode = g.ef_mode()
+    if mode is None:
         return []
     return [Effect(f"{o}, momentum {m:g}", list(gap.values()), f"gap with EF {_mean(gap)}")
             for o in g.optimizers for m in g.momentums for gap in [g.gap(o, mode, m, g.ef)]]
 
 
 def _ef_removes_half(g: _Grid) -> list[Effect]:
-    mode = g.mode("pipedream-2bw")
-    if mode is None or g.ef <= 0:
+    mode = g.ef_mode()
+    if mode is None:
         return []
     effects = []
     for o in g.optimizers:
@@ -248,8 +256,8 @@ def _headline_cell(values: list[tuple[dict | None, str, bool]]) -> str:
 def headline_markdown(study: Study, rows: list[dict]) -> str:
     """headline.md, the table README Results quotes: per optimizer, the published sync loss, gap and gap
     with EF beside this grid's at each momentum, for PipeDream-2BW at the grid's smallest depth."""
-    mode = _Grid(study, {}).mode("pipedream-2bw")
-    ef = max(study.ef_lambdas, default=0.0)
+    grid = _Grid(study, {})
+    mode, ef_mode = grid.mode("pipedream-2bw"), grid.ef_mode()
     by_key = {(r["optimizer"], r["momentum"], r["ef_lambda"], r["mode"]): r for r in rows}
     lines = markdown_head(["optimizer", "published, 360M dense: sync, gap, gap with EF",
                            *(f"here, momentum {m:g}" for m in study.momentums)])
@@ -261,8 +269,8 @@ def headline_markdown(study: Study, rows: list[dict]) -> str:
         cells = []
         for m in study.momentums:
             values = [(by_key.get((o, m, 0.0, "sync")), "val_loss", False), (by_key.get((o, m, 0.0, mode)), "gap", True)]
-            if ef > 0:
-                values.append((by_key.get((o, m, ef, mode)), "gap", True))
+            if ef_mode is not None:
+                values.append((by_key.get((o, m, grid.ef, ef_mode)), "gap", True))
             cells.append(_headline_cell(values))
         lines.append(markdown_row([_NAMES.get(o, o), published, *cells]))
     return "\n".join(lines) + "\n"

@@ -10,6 +10,8 @@
     modes: [sync, pipedream-2bw, pipedream-2bw@4, pipedream@2, wpipe, pipedream-2bw@2+sync50]
     depth: 2                                # of modes written without @ (and sync arms with launch: pipeline)
     ef: [0, 1.0]                            # Error Feedback λ for delayed modes (0: off)
+    ef_modes: [pipedream-2bw, pipedream-2bw@4]  # the delayed modes run at each λ > 0 (default: all of them);
+                                            # the others run with EF off only
     momentum: [0.9, 0.95]                   # momentum / beta1
     seeds: [0, 1]
     launch: emulator                        # emulator (one process per arm) or pipeline (torchrun, depth ranks)
@@ -41,8 +43,8 @@ import yaml
 __all__ = ["Arm", "Study", "StudyError", "load_study", "mode_name"]
 
 LAUNCHES = ("emulator", "pipeline")
-_KEYS = {"name", "base_config", "base", "optimizers", "modes", "depth", "ef", "momentum", "seeds", "launch",
-         "parallel", "output_dir", "threads_per_arm"}
+_KEYS = {"name", "base_config", "base", "optimizers", "modes", "depth", "ef", "ef_modes", "momentum", "seeds",
+         "launch", "parallel", "output_dir", "threads_per_arm"}
 
 
 class StudyError(ValueError):
@@ -119,6 +121,16 @@ class Study:
     parallel: int = 1
     threads_per_arm: int = 1
     output_dir: Path = field(default_factory=lambda: Path("outputs/study"))
+    ef_modes: list[tuple[str, int, int]] | None = None  # the delayed modes run at each λ > 0; None: all
+
+    def mode_ef_lambdas(self, mode: tuple[str, int, int]) -> list[float]:
+        """The EF λ values a mode runs at: none for sync (no delay to correct), every `ef` value for a
+        mode in `ef_modes`, and only λ = 0 for a delayed mode left out of it."""
+        if mode[0] == "sync":
+            return [0.0]
+        if self.ef_modes is None or mode in self.ef_modes:
+            return self.ef_lambdas
+        return [ef for ef in self.ef_lambdas if ef == 0]
 
     def first_learning_rates(self) -> dict[tuple[str, float], float]:
         """Each (optimizer, momentum) at its first candidate learning rate: the pick without tuning."""
@@ -144,7 +156,7 @@ class Study:
             if schedule == "sync" and self.launch == "pipeline":
                 depth = self.depth  # a 1F1B pipeline as deep as the delayed arms: the same numerics as one rank
             lr = self.learning_rate(chosen_lr, optimizer, momentum)
-            for ef in ([0.0] if schedule == "sync" else self.ef_lambdas):
+            for ef in self.mode_ef_lambdas((schedule, depth, sync_steps)):
                 arms.append(Arm(optimizer, schedule, depth, ef, momentum, lr, seed, sync_steps))
         return arms
 
@@ -236,6 +248,14 @@ def load_study(path: str | os.PathLike) -> Study:
         launch=launch, depth=depth, parallel=int(raw.get("parallel", 1)), threads_per_arm=int(raw.get("threads_per_arm", 1)),
         output_dir=Path(raw.get("output_dir", f"outputs/study_{path.stem}")),
     )
+    if "ef_modes" in raw:
+        study.ef_modes = [_mode(m, depth) for m in _list(raw["ef_modes"], "ef_modes", str)]
+        stray = [m for m, parsed in zip(_list(raw["ef_modes"], "ef_modes", str), study.ef_modes)
+                 if parsed not in modes or parsed[0] == "sync"]
+        if stray:
+            raise StudyError(f"ef_modes lists {', '.join(stray)}, not a delayed mode in 'modes'")
+        if 0 not in study.ef_lambdas and any(m not in study.ef_modes for m in modes if m[0] != "sync"):
+            raise StudyError("a delayed mode left out of ef_modes runs with EF off only, so 'ef' must include 0")
     if any(ef < 0 for ef in study.ef_lambdas):
         raise StudyError("ef values are Error Feedback strengths λ >= 0 (0: off)")
     if study.parallel < 1:

@@ -145,6 +145,53 @@ def test_a_malformed_sync_start_mode_is_refused(tmp_path, mode):
         _study(tmp_path, modes=["sync", mode])
 
 
+# Error Feedback on some delayed modes only (ef_modes)
+
+def test_ef_modes_runs_error_feedback_on_the_modes_it_names_and_ef_off_on_the_others(tmp_path):
+    study = _study(tmp_path, modes=["sync", "pipedream-2bw", "pipedream@4", "pipedream-2bw+sync10"],
+                   ef_modes=["pipedream-2bw@2"], depth=2)
+    arms = study.arms(study.first_learning_rates())
+    lambdas = {}
+    for arm in arms:
+        lambdas.setdefault(arm.mode, set()).add(arm.ef_lambda)
+    assert lambdas == {"sync": {0.0}, "pipedream-2bw@2": {0.0, 1.0}, "pipedream@4": {0.0},
+                       "pipedream-2bw@2+sync10": {0.0}}
+    assert len(arms) == 2 * 2 * 2 * (1 + 2 + 1 + 1)  # optimizers × momentum × seeds × modes' EF values
+    every = _study(tmp_path, modes=["sync", "pipedream-2bw", "pipedream@4"], depth=2)  # no ef_modes: all
+    assert {a.ef_lambda for a in every.arms(every.first_learning_rates()) if a.mode == "pipedream@4"} == {0.0, 1.0}
+
+
+@pytest.mark.parametrize("keys,message", [
+    (dict(ef_modes=["pipedream@2"]), "ef_modes lists pipedream@2, not a delayed mode in 'modes'"),
+    (dict(ef_modes=["sync"]), "ef_modes lists sync"),
+    (dict(ef_modes=["pipedream-2bw@2"], ef=[1.0], modes=["sync", "pipedream-2bw", "pipedream"]),
+     "'ef' must include 0"),
+])
+def test_ef_modes_naming_a_mode_the_grid_does_not_delay_or_leaving_one_without_arms_is_refused(tmp_path, keys,
+                                                                                            message):
+    with pytest.raises(StudyError, match=re.escape(message)):
+        _study(tmp_path, **keys)
+
+
+def test_without_ef_on_the_claims_mode_the_ef_claims_are_not_in_the_grid(tmp_path):
+    from hf_asyncpp.study.claims import claims_markdown, headline_markdown
+    from tests.study.test_results import _table
+
+    study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream-2bw@4"], ef_modes=["pipedream-2bw@4"])
+    verdicts = {row[0]: row[2] for row in _table(claims_markdown(study, {}), "| claim |")[1:]}
+    assert verdicts["with Error Feedback the delayed run matches the synchronous one"] == "not in this grid"
+    assert verdicts["Error Feedback removes at least half of the gap (50–90%)"] == "not in this grid"
+    sync = _record_row("adamw", "sync", 0.0)
+    delayed = _record_row("adamw", "pipedream-2bw@2", 0.0, gap=0.5)
+    row = _table(headline_markdown(study, [sync, delayed]), "| optimizer |")[1]
+    assert row[2] == "3.000, +0.500 (1 seed)"  # sync and the gap; no EF value to show
+
+
+def _record_row(optimizer, mode, ef, gap=0.0):
+    return dict(optimizer=optimizer, mode=mode, ef_lambda=ef, momentum=0.9, seeds=1, val_loss=3.0 + gap,
+                val_loss_std=0.0, gap=gap, gap_std=0.0)
+
+
 def test_a_mode_listed_twice_is_refused(tmp_path):
     with pytest.raises(StudyError, match="twice"):
         _study(tmp_path, modes=["sync", "pipedream-2bw", "pipedream-2bw@2"], depth=2)
