@@ -125,7 +125,7 @@ def summary_markdown(rows: list[dict]) -> str:
         return spread(row["gap"], row["gap_std"], row["seeds"])
 
     lines = ["Gap to sync: validation loss − the sync arm's (same optimizer, momentum and seed), mean ± standard",
-             "deviation of the paired differences (seeds).", "",
+             "deviation of the paired differences (seeds); '–': not finished, or not in the grid.", "",
              *markdown_head(["optimizer", "momentum", "EF λ", "sync val_loss", *modes])]
     for optimizer, momentum in pairs:
         sync = by_key.get((optimizer, momentum, 0.0, "sync"))
@@ -135,7 +135,7 @@ def summary_markdown(rows: list[dict]) -> str:
             lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", base, *cells]))
     if any(ef > 0 for ef in lambdas):
         lines += ["", "Share of the EF-off gap that Error Feedback removes, (gap_off − gap_ef) / gap_off ('–': no",
-                  "gap to remove, or an arm not finished).", "",
+                  "gap to remove, an arm not finished, or not in the grid).", "",
                   *markdown_head(["optimizer", "momentum", "EF λ", *modes])]
         for optimizer, momentum in pairs:
             for ef in (ef for ef in lambdas if ef > 0):
