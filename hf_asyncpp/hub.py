@@ -20,8 +20,9 @@ the environment or the HF login and is never written anywhere.
 from __future__ import annotations
 
 import os
-import platform
 from pathlib import Path
+
+from .provenance import software_versions
 
 __all__ = ["checkpoint_model_card", "eval_results", "model_card_facts", "parameter_counts", "push_to_hub",
            "render_model_card", "run_model_card"]
@@ -109,11 +110,6 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
     words (datasets handed over in memory, which `config.dataset` cannot name); it replaces the
     description derived from `config.dataset`. `exported_from`: the training checkpoint exported.
     `started_from`: where a front end's model was loaded from (None: from scratch, or `init_from`)."""
-    import torch
-    import transformers
-
-    import hf_asyncpp
-
     pp_size, dp_size = layout_sizes
     training = {k: getattr(config, k) for k in (
         "schedule", "n_microbatches", "micro_batch_size", "seq_len", "optimizer", "learning_rate",
@@ -129,8 +125,7 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
     data = _data_facts(config) if data_description is None else dict(
         name=_first_line(data_description), description=data_description)
     return dict(architecture=_architecture(model_config), training=training, data=data,
-                origin=_origin(config, exported_from, started_from), versions={"hf_asyncpp": hf_asyncpp.__version__, "transformers": transformers.__version__,
-                          "torch": torch.__version__, "python": platform.python_version()})
+                origin=_origin(config, exported_from, started_from), versions=software_versions())
 
 
 def eval_results(final_eval: dict, dataset_name: str) -> list:

@@ -74,6 +74,9 @@ def test_a_small_study_runs_its_table_follows_the_arms_metrics_and_a_crashed_arm
     else:
         assert on["ef_recovered"] is None  # nothing to recover
     assert sync["gap"] == 0.0 and off["seeds"] == 2
+    # Each record says what produced it.
+    provenance = json.loads((arms / "adamw-sync-m0.9-lr0.003-s0" / "arm.json").read_text())["provenance"]
+    assert provenance["versions"]["torch"] == torch.__version__ and provenance["machine"]["cores"] >= 1
     # claims.md reads the same per-seed gaps.
     assert f"| adamw, momentum 0.9 | gap with EF {statistics.fmean(gaps_on):+.3f} |" in (out / "claims.md").read_text()
     # and the README's headline table gives sync, gap and gap with EF, each a mean ± its seed spread.

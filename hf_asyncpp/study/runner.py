@@ -2,7 +2,8 @@
 
 An arm's directory is `<output_dir>/arms/<arm name>`; `arm.json` appears there only after the run
 exited cleanly with a final validation loss, and records the arm's settings (its resolved config), so a
-rerun skips exactly the finished arms whose settings are unchanged. `arm.json` and `metrics.jsonl` are
+rerun skips exactly the finished arms whose settings are unchanged, and its provenance (the commit, the
+software versions and the machine it ran on: a grid run in parts may span several of each). `arm.json` and `metrics.jsonl` are
 the arm's whole result: a study whose output_dir is kept in version control carries its finished arms
 to another machine (stdout.txt and stderr.txt are logs). A crashed arm
 leaves `failed.txt` (exit status and the end of its stderr) and the others go on; a rerun retries it.
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..log import get_logger
+from ..provenance import machine, software_versions, source_commit
 from .grid import Arm, Study, StudyError
 
 __all__ = ["arm_dir", "check_arms", "finished_record", "run_arms"]
@@ -141,6 +143,7 @@ def _run_one(study: Study, arm: Arm, log) -> str:
         (directory / DONE).unlink()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / FAILED).unlink(missing_ok=True)
+    provenance = {"commit": source_commit(), "versions": software_versions(), "machine": machine()}
     start = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(directory / "stdout.txt", "w") as out, open(directory / "stderr.txt", "w") as err:
@@ -152,7 +155,7 @@ def _run_one(study: Study, arm: Arm, log) -> str:
         log(f"study: {arm.name}: failed (exit status {status}; see {directory / FAILED})")
         return "failed"
     record = {"arm": arm.__dict__, "mode": arm.mode, "final_eval": final, "seconds": round(time.time() - start, 1),
-              "settings": settings}
+              "settings": settings, "provenance": provenance}
     (directory / DONE).write_text(json.dumps(record, indent=1))
     log(f"study: {arm.name}: eval_loss {final['eval_loss']:.4f} ({record['seconds']:.0f}s)")
     return "done"
