@@ -29,7 +29,8 @@ commands:
                                             loss curves from metrics.jsonl: one run to
                                             RUN_DIR/loss_curves.png, several to ./loss_comparison.png
   study STUDY.yaml [--report-only]           run (or continue) a study: optimizer × delay × EF × momentum ×
-                                            depth × seed; writes results.md/.csv/.json and figures
+                                            depth × seed; writes results.md/.csv/.json and figures;
+                                            says how many arms are left and about how long they take
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
   prepare-data SOURCE OUT_DIR --seq_len N [--tokenizer T] [--text_column C] [--blocks_per_shard B]
                [--dataset_config_name X] [--dataset_split S] [--dataset_revision R]
@@ -44,14 +45,22 @@ commands:
 def _study(argv: list[str]) -> int:
     import argparse
 
-    from .study import StudyError, load_study, report, run_study
+    from .study import StudyError, load_study, read_chosen, report, run_study
+    from .study.runner import progress
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp study")
     parser.add_argument("study")
-    parser.add_argument("--report-only", action="store_true", help="rewrite the table and figures, run nothing")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the table and figures and say how far the grid is, run nothing")
     args = parser.parse_args(argv)
     try:
-        paths = report(load_study(args.study)) if args.report_only else run_study(args.study)
+        if args.report_only:
+            study = load_study(args.study)
+            paths = report(study)
+            every_arm = {arm.name: arm for arm in study.tuning_arms() + study.arms(read_chosen(study))}
+            print(f"{study.name}: {progress(study, list(every_arm.values()))}", file=sys.stderr)
+        else:
+            paths = run_study(args.study)
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

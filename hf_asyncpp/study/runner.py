@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from ..log import get_logger
 from ..provenance import machine, software_versions, source_commit
 from .grid import Arm, Study, StudyError
 
-__all__ = ["arm_dir", "check_arms", "finished_record", "run_arms"]
+__all__ = ["arm_dir", "check_arms", "finished_record", "progress", "run_arms"]
 
 logger = get_logger(__name__)
 
@@ -133,6 +134,31 @@ def finished_record(study: Study, arm: Arm) -> dict | None:
     return _finished(arm_dir(study, arm), _settings(study, arm))
 
 
+def _pace(records: list[dict], arm: Arm) -> float:
+    """The seconds `arm` is expected to take: the median of the finished arms of its optimizer and
+    schedule (PipeDream's per-microbatch updates cost Muon and SOAP more than a step's one), else of its
+    optimizer, else of all."""
+    for same in (lambda r: (r["arm"]["optimizer"], r["arm"]["schedule"]) == (arm.optimizer, arm.schedule),
+                 lambda r: r["arm"]["optimizer"] == arm.optimizer, lambda r: True):
+        seconds = [r["seconds"] for r in records if same(r)]
+        if seconds:
+            return statistics.median(seconds)
+    raise ValueError("no finished arm to take the pace from")
+
+
+def progress(study: Study, arms: list[Arm]) -> str:
+    """How far `arms` are: how many finished, how many are left and, once any arm of the study has
+    finished, about how long those take at the pace of the finished ones, `parallel` at a time."""
+    left = [arm for arm in arms if finished_record(study, arm) is None]
+    line = f"{len(arms) - len(left)} of {len(arms)} arms finished"
+    records = [json.loads(p.read_text()) for p in sorted((study.output_dir / "arms").glob(f"*/{DONE}"))]
+    records = [r for r in records if "seconds" in r]
+    if not left or not records:
+        return line + (f"; {len(left)} to run" if left else "")
+    hours = sum(_pace(records, arm) for arm in left) / study.parallel / 3600
+    return line + f"; {len(left)} to run, about {hours:.1f} hours at the finished arms' pace, {study.parallel} at a time"
+
+
 def _run_one(study: Study, arm: Arm, log) -> str:
     directory = arm_dir(study, arm)
     settings = _settings(study, arm)
@@ -164,6 +190,13 @@ def _run_one(study: Study, arm: Arm, log) -> str:
 def run_arms(study: Study, arms: list[Arm], log=logger.info) -> dict[str, str]:
     """Run the arms not finished yet, `study.parallel` at a time; {arm name: done|skipped|failed}.
     The arms' configs are expected to be checked (`check_arms`) already."""
+    def run(arm: Arm) -> str:
+        outcome = _run_one(study, arm, log)
+        if outcome == "done":
+            log(f"study: {progress(study, arms)}")
+        return outcome
+
+    log(f"study: {progress(study, arms)}")
     with ThreadPoolExecutor(max_workers=study.parallel) as pool:
-        outcomes = list(pool.map(lambda arm: _run_one(study, arm, log), arms))
+        outcomes = list(pool.map(run, arms))
     return {arm.name: outcome for arm, outcome in zip(arms, outcomes)}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hf_asyncpp.study import load_study
 from hf_asyncpp.study.grid import Arm
-from hf_asyncpp.study.runner import _finished, _settings, arm_dir
+from hf_asyncpp.study.runner import _finished, _settings, arm_dir, progress
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_TEXT = (REPO / "training_scripts" / "configs" / "tiny_moe.yaml").read_text()
@@ -28,12 +28,12 @@ def _study(directory: Path, base_text: str = BASE_TEXT, output_dir: str = "out")
 ARM = Arm("adamw", "pipedream-2bw", 2, 0.0, 0.9, 1.0e-3, 0, 0)
 
 
-def _record(study, arm: Arm, settings: dict | None = None) -> Path:
+def _record(study, arm: Arm, settings: dict | None = None, seconds: float | None = None) -> Path:
     directory = arm_dir(study, arm)
     directory.mkdir(parents=True)
     (directory / "arm.json").write_text(json.dumps(
         {"arm": arm.__dict__, "mode": arm.mode, "settings": settings or _settings(study, arm),
-         "final_eval": {"eval_loss": 4.0}}))
+         "final_eval": {"eval_loss": 4.0}, **({} if seconds is None else {"seconds": seconds})}))
     return directory
 
 
@@ -92,3 +92,26 @@ def test_a_setting_of_another_optimizer_reruns_only_that_optimizers_arms(tmp_pat
     assert _finished(soap_dir, _settings(study, soap))
     new_record = _settings(edited, ARM)["config"]
     assert "adam_epsilon" in new_record and not any(k.startswith(("soap_", "muon_")) for k in new_record)
+
+
+def test_progress_counts_the_finished_arms_and_times_the_rest_at_the_pace_of_their_kind(tmp_path):
+    """The pace of a left arm: the median seconds of finished arms of its optimizer and schedule, else of
+    its optimizer, else of any; `parallel` (1 by default) run at a time."""
+    study = _study(tmp_path)
+    sync, delayed = (Arm(**{**ARM.__dict__, "schedule": "sync", "depth": 1}), ARM)
+    arms = [Arm(**{**arm.__dict__, "seed": seed}) for arm in (sync, delayed) for seed in (0, 1, 2)]
+    muon = Arm(**{**ARM.__dict__, "optimizer": "muon"})
+    assert progress(study, arms) == "0 of 6 arms finished; 6 to run"
+
+    for arm, seconds in zip(arms[:2], (1000.0, 2000.0)):  # sync arms of seeds 0 and 1: median 1500 s
+        _record(study, arm, seconds=seconds)
+    _record(study, arms[3], seconds=5400.0)  # the first delayed arm
+    # left: one sync arm (1500 s) and two delayed arms (5400 s each)
+    assert progress(study, arms) == ("3 of 6 arms finished; 3 to run, about 3.4 hours at the finished arms' pace, "
+                                     "1 at a time")
+    # an optimizer none of whose arms finished takes the pace of all (the median of 1000, 2000, 5400)
+    assert progress(study, [muon]).endswith("about 0.6 hours at the finished arms' pace, 1 at a time")
+    for arm in arms[2:]:
+        if not arm_dir(study, arm).exists():
+            _record(study, arm, seconds=1.0)
+    assert progress(study, arms) == "6 of 6 arms finished"
