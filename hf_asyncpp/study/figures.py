@@ -3,8 +3,8 @@
 - loss_curves.png: per optimizer, the training loss (seed mean, smoothed) of every mode, EF on/off;
 - gap_bars.png: per optimizer, the gap to sync of each delayed mode, without and with EF;
 - gap_vs_momentum.png: the gap of the main delayed mode against momentum, one line per optimizer;
-- gap_vs_depth.png: PipeDream's and PipeDream-2BW's gap against pipeline depth (EF off; sync-start modes
-  left out).
+- gap_vs_depth.png: per optimizer, PipeDream's and PipeDream-2BW's gap against pipeline depth at each
+  momentum (EF off; sync-start modes left out).
 
 A figure whose axis the grid does not vary is not drawn.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["write_figures"]
+__all__ = ["depth_trends", "write_figures"]
 
 
 def _plt():
@@ -82,37 +82,58 @@ def _gap_bars(plt, rows, out: Path) -> Path | None:
     return _save(plt, fig, out / "gap_bars.png")
 
 
-def _gap_vs(plt, rows, out: Path, axis: str) -> Path | None:
-    """Gap against momentum (one line per optimizer) or depth (per optimizer × schedule), EF off."""
+def _gap_vs_momentum(plt, rows, out: Path) -> Path | None:
+    """The gap of the main delayed mode (2BW at its smallest depth) against momentum, EF off."""
     delayed = [r for r in rows if r["mode"] != "sync" and not r["ef_lambda"] and r["gap"] is not None]
+    main = min((r["mode"] for r in delayed), key=lambda m: (not m.startswith("pipedream-2bw"), m), default=None)
     lines: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
-    if axis == "momentum":
-        main = min((r["mode"] for r in delayed), key=lambda m: (not m.startswith("pipedream-2bw"), m), default=None)
-        for r in delayed:
-            if r["mode"] == main:
-                lines[r["optimizer"]].append((r["momentum"], r["gap"], r["gap_std"]))
-    else:
-        momentum0 = min((r["momentum"] for r in delayed), default=None)
-        for r in delayed:
-            if "+sync" in r["mode"]:
-                continue  # sync start: its own mode, not a point of the depth trend
-            schedule, depth = r["mode"].split("@")
-            if schedule in ("pipedream", "pipedream-2bw") and r["momentum"] == momentum0:
-                lines[f"{r['optimizer']} {schedule}"].append((int(depth), r["gap"], r["gap_std"]))
-    if not any(len({x for x, _, _ in points}) > 1 for points in lines.values()):
+    for r in delayed:
+        if r["mode"] == main:
+            lines[r["optimizer"]].append((r["momentum"], r["gap"], r["gap_std"]))
+    if not any(len(points) > 1 for points in lines.values()):
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, points in sorted(lines.items()):
         points.sort()
-        ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
-                    capsize=3, label=label)
+        ax.errorbar(*zip(*[(x, y) for x, y, _ in points]), yerr=[e for _, _, e in points], marker="o", capsize=3,
+                    label=label)
     ax.axhline(0, color="black", linewidth=0.8)
-    if axis == "depth":
-        ax.set_xticks(sorted({p[0] for points in lines.values() for p in points}))
-    ax.set(xlabel=axis if axis == "momentum" else "pipeline depth", ylabel="validation loss − sync",
-           title=f"Gap to synchronous training vs {axis}" + (" (EF off)" if axis == "depth" else ""))
+    ax.set(xlabel="momentum", ylabel="validation loss − sync", title=f"Gap to synchronous training vs momentum ({main})")
     ax.legend(fontsize=7)
-    return _save(plt, fig, out / f"gap_vs_{axis}.png")
+    return _save(plt, fig, out / "gap_vs_momentum.png")
+
+
+def depth_trends(rows) -> dict[str, dict[tuple[str, float], list[tuple[int, float, float]]]]:
+    """Per optimizer, per (schedule, momentum): its (depth, gap, gap spread) points by depth, EF off;
+    sync-start modes are left out (a mode of their own, not a point of the trend)."""
+    trends: dict[str, dict[tuple[str, float], list]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["mode"] == "sync" or r["ef_lambda"] or r["gap"] is None or "+sync" in r["mode"]:
+            continue
+        schedule, depth = r["mode"].split("@")
+        trends[r["optimizer"]][(schedule, r["momentum"])].append((int(depth), r["gap"], r["gap_std"]))
+    return {o: {line: sorted(points) for line, points in lines.items()} for o, lines in trends.items()}
+
+
+def _gap_vs_depth(plt, rows, out: Path) -> Path | None:
+    """One panel per optimizer (their gaps differ by an order of magnitude): a line per schedule and
+    momentum, PipeDream-2BW solid, PipeDream dashed."""
+    trends = depth_trends(rows)
+    if not any(len(points) > 1 for lines in trends.values() for points in lines.values()):
+        return None
+    momenta = sorted({m for lines in trends.values() for _, m in lines})
+    fig, axes = plt.subplots(1, len(trends), figsize=(4.5 * len(trends), 4), squeeze=False)
+    for ax, (optimizer, lines) in zip(axes[0], sorted(trends.items())):
+        for (schedule, momentum), points in sorted(lines.items()):
+            ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
+                        capsize=3, linestyle="--" if schedule == "pipedream" else "-",
+                        color=f"C{momenta.index(momentum)}", label=f"{schedule}, momentum {momentum:g}")
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xticks(sorted({p[0] for points in lines.values() for p in points}))
+        ax.set(title=optimizer, xlabel="pipeline depth", ylabel="validation loss − sync")
+        ax.legend(fontsize=7)
+    fig.suptitle("Gap to synchronous training vs pipeline depth (EF off)")
+    return _save(plt, fig, out / "gap_vs_depth.png")
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -129,5 +150,5 @@ def write_figures(out_dir: Path, rows: list[dict], records: list[dict]) -> list[
     plt = _plt()
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [_loss_curves(plt, records, out_dir / "arms", out_dir), _gap_bars(plt, rows, out_dir),
-               _gap_vs(plt, rows, out_dir, "momentum"), _gap_vs(plt, rows, out_dir, "depth")]
+               _gap_vs_momentum(plt, rows, out_dir), _gap_vs_depth(plt, rows, out_dir)]
     return [p for p in written if p is not None]
