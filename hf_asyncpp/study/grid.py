@@ -146,18 +146,20 @@ class Study:
         raise StudyError(f"no learning rate chosen for {optimizer} at momentum {momentum:g}")
 
     def arms(self, chosen_lr: Mapping) -> list[Arm]:
-        """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`), seed
-        by seed, and within a seed mode by mode in the file's order: a grid run in parts has finished its
-        first seeds' every arm before starting the next, and compares every optimizer at its first modes
-        before running the later ones."""
+        """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`), in
+        the order a grid run in parts wants: first the first seed's, mode by mode in the file's order
+        (one look at every mode, every optimizer at a mode before any runs the next); then the other
+        seeds' mode by mode, every seed of a mode before the next mode, so the claims about the first
+        modes get their seed spread (and their t-test verdicts) before the later modes run."""
         arms = []
-        for seed, (schedule, depth, sync_steps), optimizer, momentum in itertools.product(
-                self.seeds, self.modes, self.learning_rates, self.momentums):
+        for seeds, (schedule, depth, sync_steps) in [(self.seeds[:1], mode) for mode in self.modes] + \
+                [(self.seeds[1:], mode) for mode in self.modes]:
             if schedule == "sync" and self.launch == "pipeline":
                 depth = self.depth  # a 1F1B pipeline as deep as the delayed arms: the same numerics as one rank
-            lr = self.learning_rate(chosen_lr, optimizer, momentum)
-            for ef in self.mode_ef_lambdas((schedule, depth, sync_steps)):
-                arms.append(Arm(optimizer, schedule, depth, ef, momentum, lr, seed, sync_steps))
+            for optimizer, momentum, seed in itertools.product(self.learning_rates, self.momentums, seeds):
+                lr = self.learning_rate(chosen_lr, optimizer, momentum)
+                for ef in self.mode_ef_lambdas((schedule, depth, sync_steps)):
+                    arms.append(Arm(optimizer, schedule, depth, ef, momentum, lr, seed, sync_steps))
         return arms
 
     def tuning_arms(self) -> list[Arm]:

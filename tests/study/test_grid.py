@@ -46,13 +46,21 @@ def test_each_optimizer_and_momentum_pair_uses_its_own_chosen_learning_rate(tmp_
         assert arm.learning_rate == chosen[(arm.optimizer, arm.momentum)]
 
 
-def test_arms_come_seed_by_seed_so_a_grid_run_in_parts_finishes_whole_seeds_first(tmp_path):
-    study = _study(tmp_path)
-    seeds = [arm.seed for arm in study.arms(study.first_learning_rates())]
-    assert seeds == sorted(seeds) and len(set(seeds)) == 2
-    first_seed = {(a.optimizer, a.mode, a.ef_lambda, a.momentum) for a in study.arms(study.first_learning_rates())
-                  if a.seed == 0}
-    assert len(first_seed) == len(seeds) // 2  # every other setting is in the first seed
+def test_the_first_seed_runs_whole_then_the_other_seeds_mode_by_mode(tmp_path):
+    """A grid run in parts first looks at every mode once, then completes the seeds of one mode after
+    another, so the earliest claims get their spread before the later modes run."""
+    study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream@2"], seeds=[0, 1, 2])
+    arms = study.arms(study.first_learning_rates())
+    first = [a for a in arms if a.seed == 0]
+    assert arms[:len(first)] == first  # the first seed's every arm before any other seed's
+    later = arms[len(first):]
+    modes = [a.mode for a in later]
+    assert list(dict.fromkeys(modes)) == ["sync", "pipedream-2bw@2", "pipedream@2"]
+    assert modes == sorted(modes, key=modes.index)  # each mode's arms contiguous
+    sync_later = [a for a in later if a.synchronous]
+    assert {a.seed for a in sync_later} == {1, 2} and len(sync_later) == 2 * 2 * 2  # optimizers × momenta × seeds
+    assert sorted(a.name for a in arms) == sorted({a.name for a in arms})  # each arm once
+    assert len(arms) == 3 * 2 * 2 * (1 + 2 + 2)  # seeds × optimizers × momenta × (sync, 2BW off/on, PipeDream off/on)
 
 
 def test_within_a_seed_every_optimizer_runs_a_mode_before_any_runs_the_next(tmp_path):
