@@ -44,17 +44,12 @@ def fit_to_one_process(config: TrainConfig) -> None:
 def check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
     """Training checkpoints (resumed by replaying the actions whose updates were still due,
     schedules/async_order.py: replay_after) and mid-run evaluation need every update unit applied on
-    all stages or on none at a step boundary; WPipe's straddle it. The single-process emulator's
-    held-back gradients are not saved."""
+    all stages or on none at a step boundary; WPipe's straddle it. The single-process emulator holds
+    nothing in flight between steps (its kept weight versions are saved), so every schedule it runs can."""
     from .schedules import ScheduleError
     from .schedules.async_order import replay_after
 
-    if spec.synchronous:
-        return
-    if purpose == "training checkpoints":
-        _require(config.pp_size > 1, f"training checkpoints of the emulated schedule '{spec.name}' (pp_size 1) "
-                 "are not supported; run it on a pipeline (pp_size >= 2) or use save_final for an HF export")
-    elif config.pp_size == 1:
+    if spec.synchronous or config.pp_size == 1:
         return
     try:  # the boundary after the first asynchronous step (a sync start's steps hold nothing in flight)
         replay_after(spec.order, config.pp_size, config.n_microbatches, config.sync_steps, config.sync_steps + 2)

@@ -72,7 +72,7 @@ class EmulatedPipeline:
                  apply_updates: Callable, router_bias_update_rate: float = 0.0, dp_group=None):
         """`apply_updates(updaters, steppers)` clips, steps or skips each updater through its stepper
         (updates.Updates.apply_together) and returns which it applied."""
-        self.modules, self.stage_ids, self.order, self.m = modules, stage_ids, order, n_microbatches
+        self.modules, self.stage_ids, self.order, self.m, self.depth = modules, stage_ids, order, n_microbatches, depth
         self.updaters, self.apply_updates = updaters, apply_updates
         delays = [order.delay(stage, depth, n_microbatches) for stage in stage_ids]
         self.emulators = [
@@ -85,6 +85,39 @@ class EmulatedPipeline:
             _DelayedRoutingBiases(module.routing_load, delay) if getattr(module, "routing_load", None) else None
             for module, delay in zip(modules, delays)
         ]
+
+    def state(self) -> dict:
+        """What a checkpoint holds of the emulation between steps, where nothing is in flight: per stage its
+        unit count and kept weight versions (oldest first, the last the current weights) and routing-bias
+        versions. Keys `emulated.<stage>` (the counts) and `emulated.<stage>.versions.<i>.<parameter name>`,
+        `emulated.<stage>.biases.<i>.<router>`."""
+        names = {id(p): n for module in self.modules for n, p in module.named_parameters()}
+        state = {}
+        for stage, emulator, biases in zip(self.stage_ids, self.emulators, self.biases):
+            lengths = {len(versions) for versions in emulator.history.values()}
+            state[f"emulated.{stage}"] = {"units": emulator.units, "versions": max(lengths, default=0),
+                                          "bias_versions": len(biases.history) if biases else 0}
+            for p, versions in emulator.history.items():
+                state.update({f"emulated.{stage}.versions.{i}.{names[id(p)]}": v for i, v in enumerate(versions)})
+            for i, version in enumerate(biases.history if biases else ()):
+                state.update({f"emulated.{stage}.biases.{i}.{j}": bias for j, bias in enumerate(version)})
+        return state
+
+    def restore(self, loaded: dict) -> None:
+        """Take back what `state` held (`loaded`: its keys, tensors already on their devices)."""
+        names = {id(p): n for module in self.modules for n, p in module.named_parameters()}
+        for stage, emulator, biases in zip(self.stage_ids, self.emulators, self.biases):
+            counts = loaded[f"emulated.{stage}"]
+            emulator.units = counts["units"]
+            for p, versions in emulator.history.items():
+                versions.clear()
+                versions.extend(loaded[f"emulated.{stage}.versions.{i}.{names[id(p)]}"]
+                                for i in range(counts["versions"]))
+            if biases:
+                routers = [r.e_score_correction_bias for r in biases.counter.routers]
+                biases.history.clear()
+                biases.history.extend([loaded[f"emulated.{stage}.biases.{i}.{j}"].to(bias.device)
+                                       for j, bias in enumerate(routers)] for i in range(counts["bias_versions"]))
 
     def forward(self, rows: torch.Tensor):
         """The last stage's output for `rows` (the stages run one after another)."""

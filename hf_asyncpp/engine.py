@@ -267,6 +267,8 @@ class PipelineEngine:
         self.step_count = step
         if self.versioned:
             self.schedule.resume_after(step)
+        if self.emulated:
+            self.emulated.steps_run = step  # a sync start's synchronous steps are counted from the run's start
 
     def stop_after(self, step: int) -> int:
         """End the run early: returns the step count it can end at, `step` where nothing is in flight.

@@ -93,8 +93,6 @@ BAD_INPUTS = {
     "checkpoints of WPipe": (["--schedule", "wpipe", "--grad_clip_scope", "stage", "--save_steps", "10",
                               "--model_config", "tiny-mixtral"], 2,
                              "checkpoints are not supported for schedule 'wpipe': .*applied on some stages"),
-    "checkpoints of the emulator": (["--schedule", "pipedream-2bw", "--pp_size", "1", "--save_steps", "10"], 1,
-                                    "emulated schedule 'pipedream-2bw' \\(pp_size 1\\) are not supported"),
     "sequences longer than the model's positions": (["--seq_len", "1000000"], 2,
                                                    "seq_len 1000000 exceeds the model's max_position_embeddings"),
     "evaluation without an evaluation set": (["--eval_steps", "10"], 2, "no evaluation set: set eval_fraction > 0"),

@@ -185,7 +185,8 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, run_state
                           PIPELINE_STATE: dict(run_state, format=FORMAT, step=step, pp_size=layout.pp_size,
                                                dp_size=layout.dp_size, schedule=engine.spec.name,
                                                n_microbatches=engine.config.n_microbatches,
-                                               sync_steps=engine.config.sync_steps)}
+                                               sync_steps=engine.config.sync_steps,
+                                               emulate_pp_size=engine.emulated.depth if engine.emulated else 0)}
                 if positions:
                     states[DATA_POSITIONS] = [positions[d] for d in sorted(positions)]
                 for name, value in states.items():
@@ -266,14 +267,15 @@ def load_checkpoint(engine, layout, path: Path) -> dict:
         raise verdict[0]
     run_state = verdict[0]
     verify_checksums(path, layout)
-    if engine.versioned:  # in-flight state is replayed by the order: it must be the same order
-        saved = {k: run_state.get(k, 0 if k == "sync_steps" else None)
-                 for k in ("pp_size", "schedule", "n_microbatches", "sync_steps")}
+    if engine.versioned or engine.emulated:  # in-flight state is replayed by the order, or kept versions emulate it
+        saved = {k: run_state.get(k, 0 if k in ("sync_steps", "emulate_pp_size") else None)
+                 for k in ("pp_size", "schedule", "n_microbatches", "sync_steps", "emulate_pp_size")}
         current = dict(pp_size=layout.pp_size, schedule=engine.spec.name, n_microbatches=engine.config.n_microbatches,
-                       sync_steps=engine.config.sync_steps)
+                       sync_steps=engine.config.sync_steps, emulate_pp_size=engine.emulated.depth if engine.emulated else 0)
         if saved != current:
             raise CheckpointError(f"checkpoint {path} was saved by an asynchronous run with {saved}; resuming it needs "
-                                  f"the same pp_size, schedule and n_microbatches, and sync_steps (this run: {current})")
+                                  f"the same pp_size, schedule and n_microbatches, sync_steps and emulate_pp_size "
+                                  f"(this run: {current})")
     reader = FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     try:

@@ -11,6 +11,8 @@ one (pp, dp) layout loads into another where the tensors mean the same thing:
   updater.<stage>                  LR schedule state and optimizer hyperparameters of the updater that
                                    steps stage <stage> (and the stages updated with it)
   stage.<stage>                    an asynchronous stage's update count (its master version)
+  emulated.<stage>[...]            an emulated asynchronous schedule's kept weight (and routing-bias)
+                                   versions and unit count per stage (emulation.py: EmulatedPipeline.state)
   rng.<rank>                       torch's CPU (and CUDA) generator states of that rank
 
 DTensor shards are saved as shards (each dp rank writes its rows) and loaded into whatever sharding
@@ -90,6 +92,8 @@ def _live_state(engine, rank: int) -> dict:
         for b, buffer in enumerate(versioned.buffers_):
             state.update({f"versions.{stage}.{b}.{n}": buffer[n].detach() for n in names})
         state[f"stage.{stage}"] = {"master_version": versioned.master_version}
+    if engine.emulated:
+        state.update(engine.emulated.state())
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -131,7 +135,16 @@ def load_training_state(engine, rank: int, saved: dict, read) -> dict:
     for stage, versioned in zip(engine.stage_ids, engine.versioned):
         for b, buffer in enumerate(versioned.buffers_):
             wanted.update({f"versions.{stage}.{b}.{n}": t.detach() for n, t in buffer.items()})
-    objects = [k for k in saved if k.split(".")[0] in ("updater", "stage") or k == f"rng.{rank}{_OBJ}"]
+    if engine.emulated:  # kept versions laid out like their parameters; routing biases whole
+        for stage in engine.stage_ids:
+            if f"emulated.{stage}{_OBJ}" not in saved:
+                raise ValueError(f"it holds no emulated state of stage {stage} (saved by another kind of run)")
+        for key in saved:
+            parts = key.split(".", 4)
+            if parts[0] == "emulated" and not key.endswith(_OBJ):
+                wanted[key] = _destination(saved[key], params.get(parts[4]) if parts[2] == "versions" else None)
+    objects = [k for k in saved if k.split(".")[0] in ("updater", "stage", "emulated") and k.endswith(_OBJ)
+               or k == f"rng.{rank}{_OBJ}"]
     wanted.update({k: _destination(saved[k], None) for k in objects})
     for stage in engine.stage_ids if engine.versioned else ():
         if f"stage.{stage}{_OBJ}" not in saved:
@@ -166,6 +179,8 @@ def _restore(engine, loaded: dict, rank: int) -> None:
         versioned.master_version = loaded[f"stage.{stage}"]["master_version"]
         versioned.bind_master(engine.version_buffer(stage, versioned.master_version), copy=False)
         versioned.drop_compute_copies()
+    if engine.emulated:
+        engine.emulated.restore(loaded)
     rng = loaded.get(f"rng.{rank}")
     if rng is not None:
         torch.set_rng_state(rng["cpu"])

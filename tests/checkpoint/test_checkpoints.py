@@ -42,7 +42,7 @@ def _steps(engine, rows, start, stop):
 
 
 def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, part, preset="tiny-qwen3-moe",
-              sync_steps=0):
+              sync_steps=0, emulate_pp_size=0):
     """One process-group lifetime, as a real run: "straight" (all steps), "first" (steps 0..AT−1,
     then save) or "resumed" (load, then the remaining steps). Returns losses and weight digests."""
     import hashlib
@@ -57,7 +57,7 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
         model_config = small_model_config(preset)
         # A large routing-bias step makes DeepSeek-V3's versioned biases matter within a few steps.
         config = _config(layout, schedule, optimizer, ef, output_dir, preset, router_bias_update_rate=0.05,
-                         sync_steps=sync_steps)
+                         sync_steps=sync_steps, emulate_pp_size=emulate_pp_size)
         rows = _rows(layout, model_config.vocab_size)
         engine = PipelineEngine(config, model_config, layout)
         start, stop = {"straight": (0, STEPS), "first": (0, AT), "resumed": (AT, STEPS)}[part]
@@ -86,9 +86,11 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
     # while its master is version 3; the replay must route with version 2's biases
     (2, 2, "pipedream-2bw", "adamw", False, "tiny-deepseek-v3"),
 ])
-def test_a_resumed_run_continues_bitwise(tmp_path, world_size, pp_size, schedule, optimizer, ef, preset, sync_steps=0):
+def test_a_resumed_run_continues_bitwise(tmp_path, world_size, pp_size, schedule, optimizer, ef, preset, sync_steps=0,
+                                        emulate_pp_size=0):
     args = (world_size, _run_part, pp_size, schedule, optimizer, ef, str(tmp_path))
-    straight, first, resumed = (run_ranks(*args, part, preset, sync_steps) for part in ("straight", "first", "resumed"))
+    straight, first, resumed = (run_ranks(*args, part, preset, sync_steps, emulate_pp_size)
+                                for part in ("straight", "first", "resumed"))
     for rank in range(world_size):
         assert first[rank]["losses"] + resumed[rank]["losses"] == straight[rank]["losses"], rank
         assert resumed[rank]["digests"] == straight[rank]["digests"], rank
@@ -103,6 +105,21 @@ def test_a_sync_start_resumes_across_its_switch_bitwise(tmp_path, sync_steps):
     """Saved after step 3: one asynchronous step past the switch, with minibatch 3 forwarded ahead
     (sync_steps 2), or inside the synchronous steps, resumed across the switch (sync_steps 4)."""
     test_a_resumed_run_continues_bitwise(tmp_path, 2, 2, "pipedream-2bw", "adamw", True, "tiny-qwen3-moe", sync_steps)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, schedule, depth, optimizer, ef, preset, sync_steps", [
+    (1, "pipedream-2bw", 2, "muon", True, "tiny-qwen3-moe", 0),  # every stage's previous version kept
+    (1, "pipedream", 4, "adamw", False, "tiny-qwen3-moe", 0),  # stage s keeps 3 − s versions, per-microbatch units
+    (1, "wpipe", 2, "soap", False, "tiny-qwen3-moe", 0),  # one group delayed, the other not
+    (1, "pipedream-2bw", 2, "adamw", False, "tiny-deepseek-v3", 0),  # the routing biases' versions too
+    (1, "pipedream-2bw", 2, "adamw", True, "tiny-qwen3-moe", 4),  # saved inside a sync start, resumed across it
+    (2, "pipedream-2bw", 2, "adamw", True, "tiny-qwen3-moe", 2),  # dp 2: replicated versions, written once
+])
+def test_an_emulated_schedule_resumes_bitwise(tmp_path, world_size, schedule, depth, optimizer, ef, preset, sync_steps):
+    """The single-process emulator (pp_size 1) holds nothing in flight between steps: its checkpoint keeps
+    each stage's weight versions still to be used, and the resumed run continues as the straight one."""
+    test_a_resumed_run_continues_bitwise(tmp_path, world_size, 1, schedule, optimizer, ef, preset, sync_steps, depth)
 
 
 def _train_and_save(rank, world_size, output_dir):
