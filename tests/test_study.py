@@ -138,3 +138,58 @@ def test_a_bad_study_file_fails_before_any_arm_runs(study_file, tmp_path):
         with pytest.raises(StudyError, match=message):
             run_study(tmp_path / "bad.yaml", log=lambda *_: None)
     assert not (tmp_path / "study").exists()
+
+
+@pytest.mark.multirank
+def test_an_interrupted_arm_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(study_file, tmp_path,
+                                                                                         monkeypatch):
+    """With checkpoint_steps an arm stopped mid-run (SIGTERM: it saves at the next step boundary and exits)
+    is resumed by the rerun from its latest checkpoint: per-step losses and the final validation loss
+    equal those of the same arm run straight through, and its checkpoints are gone once it finished."""
+    import signal
+    import subprocess
+    import time
+
+    from hf_asyncpp.study import load_study, runner
+    from hf_asyncpp.study.grid import Arm
+
+    base = yaml.safe_load((tmp_path / "base.yaml").read_text())
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**base, "max_steps": 60}))
+    raw = {**yaml.safe_load(study_file.read_text()), "ef": [0], "seeds": [0], "parallel": 1}
+    (tmp_path / "straight.yaml").write_text(yaml.safe_dump({**raw, "output_dir": str(tmp_path / "straight")}))
+    (tmp_path / "resumed.yaml").write_text(yaml.safe_dump({**raw, "checkpoint_steps": 5,
+                                                          "output_dir": str(tmp_path / "resumed")}))
+    straight, resumed = load_study(tmp_path / "straight.yaml"), load_study(tmp_path / "resumed.yaml")
+    arm = Arm("adamw", "pipedream-2bw", 2, 0.0, 0.9, 3.0e-3, 0)
+    assert runner._settings(straight, arm) == runner._settings(resumed, arm)  # checkpoints change no result
+    assert runner.run_arms(straight, [arm], lambda *_: None) == {arm.name: "done"}
+
+    directory = runner.arm_dir(resumed, arm)
+
+    def preempted(command, out, err, env):
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+        metrics = directory / "metrics.jsonl"
+        while process.poll() is None and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 8):
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        return process.wait()
+
+    launch = runner._launch
+    monkeypatch.setattr(runner, "_launch", preempted)
+    assert runner.run_arms(resumed, [arm], lambda *_: None) == {arm.name: "failed"}  # stopped without a final eval
+    saved = sorted(directory.glob("checkpoint-*"))
+    assert len(saved) == 1 and (directory / "running.json").is_file()
+    stopped = int(saved[0].name.split("-")[1])
+    assert 8 <= stopped < 60
+    monkeypatch.setattr(runner, "_launch", launch)
+
+    messages = []
+    assert runner.run_arms(resumed, [arm], messages.append) == {arm.name: "done"}
+    assert f"study: {arm.name}: resuming after step {stopped}" in messages
+    losses = {d: [(r["step"], r.get("loss"), r.get("eval_loss")) for r in map(json.loads, (
+        runner.arm_dir(s, arm) / "metrics.jsonl").read_text().splitlines()) if "loss" in r or "eval_loss" in r]
+        for d, s in (("straight", straight), ("resumed", resumed))}
+    assert losses["resumed"] == losses["straight"] and len(losses["straight"]) == 61  # 60 steps + the final eval
+    record = json.loads((directory / "arm.json").read_text())
+    assert record["resumed_after_step"] == stopped
+    assert not list(directory.glob("checkpoint-*")) and not (directory / "running.json").exists()

@@ -16,6 +16,8 @@
     seeds: [0, 1]
     launch: emulator                        # emulator (one process per arm) or pipeline (torchrun, depth ranks)
     parallel: 2                             # arms run at a time
+    checkpoint_steps: 100                   # an arm saves its training state every N steps, and an
+                                            # interrupted arm resumes from it (default 0: starts over)
     output_dir: outputs/study_cpu           # relative to the working directory
 
 A mode is `sync` or `schedule[@depth][+syncN]`. `+syncN` is the sync-start baseline: the first N steps
@@ -44,7 +46,7 @@ __all__ = ["Arm", "Study", "StudyError", "load_study", "mode_name"]
 
 LAUNCHES = ("emulator", "pipeline")
 _KEYS = {"name", "base_config", "base", "optimizers", "modes", "depth", "ef", "ef_modes", "momentum", "seeds",
-         "launch", "parallel", "output_dir", "threads_per_arm"}
+         "launch", "parallel", "output_dir", "threads_per_arm", "checkpoint_steps"}
 
 
 class StudyError(ValueError):
@@ -120,6 +122,7 @@ class Study:
     depth: int = 2  # of modes written without @, and of sync arms with launch: pipeline
     parallel: int = 1
     threads_per_arm: int = 1
+    checkpoint_steps: int = 0  # an arm's training checkpoints, every N steps (0: none; an interrupted arm starts over)
     output_dir: Path = field(default_factory=lambda: Path("outputs/study"))
     ef_modes: list[tuple[str, int, int]] | None = None  # the delayed modes run at each λ > 0; None: all
 
@@ -248,7 +251,7 @@ def load_study(path: str | os.PathLike) -> Study:
         learning_rates=learning_rates, modes=modes, ef_lambdas=_list(raw.get("ef", [0]), "ef", float),
         momentums=_list(raw.get("momentum", [0.9]), "momentum", float), seeds=_list(raw["seeds"], "seeds", int),
         launch=launch, depth=depth, parallel=int(raw.get("parallel", 1)), threads_per_arm=int(raw.get("threads_per_arm", 1)),
-        output_dir=Path(raw.get("output_dir", f"outputs/study_{path.stem}")),
+        checkpoint_steps=int(raw.get("checkpoint_steps", 0)), output_dir=Path(raw.get("output_dir", f"outputs/study_{path.stem}")),
     )
     if "ef_modes" in raw:
         study.ef_modes = [_mode(m, depth) for m in _list(raw["ef_modes"], "ef_modes", str)]
@@ -262,4 +265,6 @@ def load_study(path: str | os.PathLike) -> Study:
         raise StudyError("ef values are Error Feedback strengths λ >= 0 (0: off)")
     if study.parallel < 1:
         raise StudyError("parallel must be at least 1")
+    if study.checkpoint_steps < 0:
+        raise StudyError("checkpoint_steps must be >= 0 (0: arms keep no checkpoints)")
     return study

@@ -7,6 +7,10 @@ software versions and the machine it ran on: a grid run in parts may span severa
 the arm's whole result: a study whose output_dir is kept in version control carries its finished arms
 to another machine (stdout.txt and stderr.txt are logs). A crashed arm
 leaves `failed.txt` (exit status and the end of its stderr) and the others go on; a rerun retries it.
+With `checkpoint_steps`, an arm keeps its latest training checkpoint while it runs and `running.json`
+(the settings it runs with); a rerun resumes an interrupted arm from that checkpoint when the settings
+are still the same (the run continues bitwise) and starts it over otherwise. A finished arm's
+checkpoints are deleted.
 Arms run `parallel` at a time. Before anything runs, every arm's config is validated, so a typo fails
 the study at once instead of after an hour.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,7 +36,7 @@ __all__ = ["arm_dir", "check_arms", "finished_record", "progress", "run_arms"]
 
 logger = get_logger(__name__)
 
-DONE, FAILED = "arm.json", "failed.txt"
+DONE, FAILED, RUNNING = "arm.json", "failed.txt", "running.json"
 
 
 def arm_dir(study: Study, arm: Arm) -> Path:
@@ -39,8 +44,10 @@ def arm_dir(study: Study, arm: Arm) -> Path:
 
 
 def _overrides(study: Study, arm: Arm) -> dict:
+    checkpoints = dict(save_steps=study.checkpoint_steps, save_total_limit=1,
+                       resume_from_checkpoint="latest") if study.checkpoint_steps else {}
     return {**study.base, **arm.overrides(study.launch), "output_dir": str(arm_dir(study, arm)),
-            "save_final": False, "report_to": "none", "threads_per_rank": study.threads_per_arm}
+            "save_final": False, "report_to": "none", "threads_per_rank": study.threads_per_arm, **checkpoints}
 
 
 def _cli(values: dict) -> list[str]:
@@ -86,13 +93,14 @@ def _final_eval(directory: Path) -> dict | None:
     return evals[-1] if evals else None
 
 
-# Where an arm writes, not what it computes: a study moved to another directory keeps its finished arms.
-_PLACEMENT_KEYS = ("output_dir",)
+# Where and when an arm writes, not what it computes: a study moved to another directory, or checkpointing
+# its arms (a resumed run continues bitwise), keeps its finished arms.
+_BOOKKEEPING_KEYS = ("output_dir", "save_steps", "save_total_limit", "resume_from_checkpoint")
 
 
 def _config_values(config) -> dict:
     values = dataclasses.asdict(config)
-    return json.loads(json.dumps({k: v for k, v in values.items() if k not in _PLACEMENT_KEYS}))
+    return json.loads(json.dumps({k: v for k, v in values.items() if k not in _BOOKKEEPING_KEYS}))
 
 
 def _read_by_its_optimizer(config) -> dict:
@@ -140,7 +148,7 @@ def _pace(records: list[dict], arm: Arm) -> float:
     optimizer, else of all."""
     for same in (lambda r: (r["arm"]["optimizer"], r["arm"]["schedule"]) == (arm.optimizer, arm.schedule),
                  lambda r: r["arm"]["optimizer"] == arm.optimizer, lambda r: True):
-        seconds = [r["seconds"] for r in records if same(r)]
+        seconds = [r["seconds"] for r in records if same(r) and not r.get("resumed_after_step")]
         if seconds:
             return statistics.median(seconds)
     raise ValueError("no finished arm to take the pace from")
@@ -152,11 +160,35 @@ def progress(study: Study, arms: list[Arm]) -> str:
     left = [arm for arm in arms if finished_record(study, arm) is None]
     line = f"{len(arms) - len(left)} of {len(arms)} arms finished"
     records = [json.loads(p.read_text()) for p in sorted((study.output_dir / "arms").glob(f"*/{DONE}"))]
-    records = [r for r in records if "seconds" in r]
+    records = [r for r in records if "seconds" in r and not r.get("resumed_after_step")]  # whole runs only
     if not left or not records:
         return line + (f"; {len(left)} to run" if left else "")
     hours = sum(_pace(records, arm) for arm in left) / study.parallel / 3600
     return line + f"; {len(left)} to run, about {hours:.1f} hours at the finished arms' pace, {study.parallel} at a time"
+
+
+def _launch(command: list[str], out, err, env: dict) -> int:
+    """Run an arm's command to its end; its exit status."""
+    return subprocess.run(command, stdout=out, stderr=err, env=env).returncode
+
+
+def _resumable_step(directory: Path, settings: dict) -> int:
+    """The step of the arm's latest complete checkpoint when the run that wrote it had `settings`, else 0."""
+    from ..checkpoint.checkpoints import list_checkpoints
+
+    try:
+        running = json.loads((directory / RUNNING).read_text())
+    except (OSError, ValueError):
+        return 0
+    saved = list_checkpoints(directory)
+    if running.get("settings") != settings or not saved:
+        return 0
+    return int(saved[-1].name.rsplit("-", 1)[1])
+
+
+def _drop_checkpoints(directory: Path) -> None:
+    for path in directory.glob("checkpoint-*"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _run_one(study: Study, arm: Arm, log) -> str:
@@ -169,11 +201,18 @@ def _run_one(study: Study, arm: Arm, log) -> str:
         (directory / DONE).unlink()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / FAILED).unlink(missing_ok=True)
+    resumed_after = _resumable_step(directory, settings)
+    if resumed_after:
+        log(f"study: {arm.name}: resuming after step {resumed_after}")
+    else:
+        _drop_checkpoints(directory)  # another run's, or none
+    (directory / RUNNING).write_text(json.dumps({"settings": settings}))
     provenance = {"commit": source_commit(), "versions": software_versions(), "machine": machine()}
     start = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(directory / "stdout.txt", "w") as out, open(directory / "stderr.txt", "w") as err:
-        status = subprocess.run(_command(study, arm), stdout=out, stderr=err, env=env).returncode
+    mode = "a" if resumed_after else "w"
+    with open(directory / "stdout.txt", mode) as out, open(directory / "stderr.txt", mode) as err:
+        status = _launch(_command(study, arm), out, err, env)
     final = _final_eval(directory)
     if status != 0 or final is None:
         tail = (directory / "stderr.txt").read_text()[-4000:]
@@ -182,7 +221,11 @@ def _run_one(study: Study, arm: Arm, log) -> str:
         return "failed"
     record = {"arm": arm.__dict__, "mode": arm.mode, "final_eval": final, "seconds": round(time.time() - start, 1),
               "settings": settings, "provenance": provenance}
+    if resumed_after:  # `seconds` are then the last part's
+        record["resumed_after_step"] = resumed_after
     (directory / DONE).write_text(json.dumps(record, indent=1))
+    _drop_checkpoints(directory)
+    (directory / RUNNING).unlink(missing_ok=True)
     log(f"study: {arm.name}: eval_loss {final['eval_loss']:.4f} ({record['seconds']:.0f}s)")
     return "done"
 

@@ -115,3 +115,34 @@ def test_progress_counts_the_finished_arms_and_times_the_rest_at_the_pace_of_the
         if not arm_dir(study, arm).exists():
             _record(study, arm, seconds=1.0)
     assert progress(study, arms) == "6 of 6 arms finished"
+
+
+def test_a_checkpoint_is_resumed_only_by_a_run_with_the_settings_that_wrote_it(tmp_path):
+    from hf_asyncpp.study.runner import _resumable_step
+
+    study = _study(tmp_path / "a")
+    directory = arm_dir(study, ARM)
+    (directory / "checkpoint-40").mkdir(parents=True)
+    assert _resumable_step(directory, _settings(study, ARM)) == 0  # incomplete (no manifest), and no running.json
+    for step in (20, 40):
+        (directory / f"checkpoint-{step}").mkdir(exist_ok=True)
+        (directory / f"checkpoint-{step}" / "manifest.json").write_text("{}")
+    assert _resumable_step(directory, _settings(study, ARM)) == 0  # no running.json: whose it is is unknown
+    (directory / "running.json").write_text(json.dumps({"settings": _settings(study, ARM)}))
+    assert _resumable_step(directory, _settings(study, ARM)) == 40
+    edited = _study(tmp_path / "b", BASE_TEXT.replace("weight_decay: 0.1", "weight_decay: 0.2"))
+    assert _resumable_step(directory, _settings(edited, ARM)) == 0
+
+
+def test_checkpointing_the_arms_keeps_the_finished_ones_finished(tmp_path):
+    """save_steps, save_total_limit and resume_from_checkpoint say when an arm writes, not what it
+    computes: turning checkpoint_steps on does not rerun the grid."""
+    plain = _study(tmp_path / "a")
+    directory = _record(plain, ARM)
+    raw = json.loads((tmp_path / "a" / "study.yaml").read_text())
+    (tmp_path / "a" / "checkpointed.yaml").write_text(json.dumps({**raw, "checkpoint_steps": 50}))
+    checkpointed = load_study(tmp_path / "a" / "checkpointed.yaml")
+    from hf_asyncpp.study.runner import _config
+
+    assert _config(checkpointed, ARM).save_steps == 50 and _config(checkpointed, ARM).resume_from_checkpoint == "latest"
+    assert _finished(directory, _settings(checkpointed, ARM))
