@@ -86,12 +86,15 @@ class EmulatedPipeline:
             for module, delay in zip(modules, delays)
         ]
 
+    def _parameter_names(self) -> dict[int, str]:
+        return {id(p): n for module in self.modules for n, p in module.named_parameters()}
+
     def state(self) -> dict:
         """What a checkpoint holds of the emulation between steps, where nothing is in flight: per stage its
         unit count and kept weight versions (oldest first, the last the current weights) and routing-bias
         versions. Keys `emulated.<stage>` (the counts) and `emulated.<stage>.versions.<i>.<parameter name>`,
         `emulated.<stage>.biases.<i>.<router>`."""
-        names = {id(p): n for module in self.modules for n, p in module.named_parameters()}
+        names = self._parameter_names()
         state = {}
         for stage, emulator, biases in zip(self.stage_ids, self.emulators, self.biases):
             lengths = {len(versions) for versions in emulator.history.values()}
@@ -104,8 +107,9 @@ class EmulatedPipeline:
         return state
 
     def restore(self, loaded: dict) -> None:
-        """Take back what `state` held (`loaded`: its keys, tensors already on their devices)."""
-        names = {id(p): n for module in self.modules for n, p in module.named_parameters()}
+        """Take back what `state` held (`loaded`: its keys; the weight versions laid out like their
+        parameters, the routing biases wherever they were read)."""
+        names = self._parameter_names()
         for stage, emulator, biases in zip(self.stage_ids, self.emulators, self.biases):
             counts = loaded[f"emulated.{stage}"]
             emulator.units = counts["units"]

@@ -3,9 +3,9 @@
 An arm's directory is `<output_dir>/arms/<arm name>`; `arm.json` appears there only after the run
 exited cleanly with a final validation loss, and records the arm's settings (its resolved config), so a
 rerun skips exactly the finished arms whose settings are unchanged, and its provenance (the commit, the
-software versions and the machine it ran on: a grid run in parts may span several of each). `arm.json` and `metrics.jsonl` are
-the arm's whole result: a study whose output_dir is kept in version control carries its finished arms
-to another machine (stdout.txt and stderr.txt are logs). A crashed arm
+software versions and the machine it ran on: a grid run in parts may span several of each). `arm.json`
+and `metrics.jsonl` are the arm's whole result: a study whose output_dir is kept in version control
+carries its finished arms to another machine (stdout.txt and stderr.txt are logs). A crashed arm
 leaves `failed.txt` (exit status and the end of its stderr) and the others go on; a rerun retries it.
 With `checkpoint_steps`, an arm keeps its latest training checkpoint while it runs and `running.json`
 (the settings it runs with); a rerun resumes an interrupted arm from that checkpoint when the settings
@@ -143,12 +143,12 @@ def finished_record(study: Study, arm: Arm) -> dict | None:
 
 
 def _pace(records: list[dict], arm: Arm) -> float:
-    """The seconds `arm` is expected to take: the median of the finished arms of its optimizer and
+    """The seconds `arm` is expected to take: the median of the (whole) finished arms of its optimizer and
     schedule (PipeDream's per-microbatch updates cost Muon and SOAP more than a step's one), else of its
     optimizer, else of all."""
     for same in (lambda r: (r["arm"]["optimizer"], r["arm"]["schedule"]) == (arm.optimizer, arm.schedule),
                  lambda r: r["arm"]["optimizer"] == arm.optimizer, lambda r: True):
-        seconds = [r["seconds"] for r in records if same(r) and not r.get("resumed_after_step")]
+        seconds = [r["seconds"] for r in records if same(r)]
         if seconds:
             return statistics.median(seconds)
     raise ValueError("no finished arm to take the pace from")
