@@ -3,7 +3,7 @@
 - loss_curves.png: per optimizer, the training loss (seed mean, smoothed) of every mode, EF on/off;
 - gap_bars.png: per optimizer, the gap to sync of each delayed mode, without and with EF;
 - gap_vs_momentum.png: the gap of the main delayed mode against momentum, one line per optimizer;
-- gap_vs_depth.png: per optimizer, PipeDream's and PipeDream-2BW's gap against pipeline depth at each
+- gap_vs_depth.png: per optimizer, each asynchronous schedule's gap against pipeline depth at each
   momentum (EF off; sync-start modes left out).
 
 A figure whose axis the grid does not vary is not drawn.
@@ -117,7 +117,7 @@ def depth_trends(rows) -> dict[str, dict[tuple[str, float], list[tuple[int, floa
 
 def _gap_vs_depth(plt, rows, out: Path) -> Path | None:
     """One panel per optimizer (their gaps differ by an order of magnitude): a line per schedule and
-    momentum, PipeDream-2BW solid, PipeDream dashed."""
+    momentum, PipeDream dashed, the others solid."""
     trends = depth_trends(rows)
     if not any(len(points) > 1 for lines in trends.values() for points in lines.values()):
         return None
