@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..log import get_logger
 from .figures import write_figures
-from .grid import Arm, Study, StudyError, load_study
+from .grid import Arm, Study, StudyError, load_study, mode_name
 from .claims import claims_markdown, headline_markdown
 from .results import collect_arms, final_losses, results_rows, write_results
 from .runner import check_arms, finished_record, run_arms
@@ -116,10 +116,12 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     records = [r for r in records if Arm.from_record(r).name in in_grid]
     rows = results_rows(records)
     claims, headline = study.output_dir / "claims.md", study.output_dir / "headline.md"
+    main = study.main_delayed_mode()
+    main_mode = mode_name(*main) if main else None
     claims.write_text(claims_markdown(study, final_losses(records)))
     headline.write_text(headline_markdown(study, rows))
     return [*write_results(study.output_dir, rows, records, failed or []), claims, headline,
-            *write_figures(study.output_dir, rows, records)]
+            *write_figures(study.output_dir, rows, records, main_mode)]
 
 
 def run_study(path: str | Path, log=logger.info) -> list[Path]:

@@ -76,18 +76,14 @@ class _Grid:
                  if schedule != "sync" and not sync_steps]
         self.depths = {s: sorted({d for t, d in plain if t == s}) for s, _ in plain}
         self.ef = max(study.ef_lambdas, default=0.0)  # the EF arms the claims read
-        self.study = study
+        main = study.main_delayed_mode()
+        self.main = mode_name(*main) if main else None
+        # The mode the EF claims read: the main delayed mode, when the grid runs it with EF.
+        self.ef_main = self.main if main and self.ef > 0 and self.ef in study.mode_ef_lambdas(main) else None
 
     def mode(self, schedule: str, deepest: bool = False) -> str | None:
         depths = self.depths.get(schedule)
         return mode_name(schedule, depths[-1] if deepest else depths[0]) if depths else None
-
-    def ef_mode(self) -> str | None:
-        """The mode the EF claims read, 2BW at the smallest depth, when the grid runs it with EF."""
-        depths = self.depths.get("pipedream-2bw")
-        if not depths or self.ef <= 0 or self.ef not in self.study.mode_ef_lambdas(("pipedream-2bw", depths[0], 0)):
-            return None
-        return mode_name("pipedream-2bw", depths[0])
 
     def gap(self, optimizer: str, mode: str, momentum: float, ef: float = 0.0) -> dict[int, float]:
         arm = self.losses.get((optimizer, mode, ef, momentum), {})
@@ -109,7 +105,7 @@ def _mean(values: dict[int, float]) -> str:
 
 
 def _optimizer_gaps(g: _Grid) -> list[Effect]:
-    mode = g.mode("pipedream-2bw")
+    mode = g.main
     if mode is None or "adamw" not in g.optimizers:
         return []
     return [Effect(f"adamw − {other}, momentum {m:g}", _paired(adamw, theirs),
@@ -119,7 +115,7 @@ def _optimizer_gaps(g: _Grid) -> list[Effect]:
 
 
 def _ef_matches_sync(g: _Grid) -> list[Effect]:
-    mode = g.ef_mode()
+    mode = g.ef_main
     if mode is None:
         return []
     return [Effect(f"{o}, momentum {m:g}", list(gap.values()), f"gap with EF {_mean(gap)}")
@@ -127,7 +123,7 @@ def _ef_matches_sync(g: _Grid) -> list[Effect]:
 
 
 def _ef_removes_half(g: _Grid) -> list[Effect]:
-    mode = g.ef_mode()
+    mode = g.ef_main
     if mode is None:
         return []
     effects = []
@@ -147,7 +143,7 @@ def _ef_removes_half(g: _Grid) -> list[Effect]:
 
 
 def _momentum(g: _Grid) -> list[Effect]:
-    mode = g.mode("pipedream-2bw")
+    mode = g.main
     if mode is None or len(g.momentums) < 2:
         return []
     low, high = min(g.momentums), max(g.momentums)
@@ -257,7 +253,7 @@ def headline_markdown(study: Study, rows: list[dict]) -> str:
     """headline.md, the table README Results quotes: per optimizer, the published sync loss, gap and gap
     with EF beside this grid's at each momentum, for PipeDream-2BW at the grid's smallest depth."""
     grid = _Grid(study, {})
-    mode, ef_mode = grid.mode("pipedream-2bw"), grid.ef_mode()
+    mode, ef_mode = grid.main, grid.ef_main
     by_key = {(r["optimizer"], r["momentum"], r["ef_lambda"], r["mode"]): r for r in rows}
     lines = markdown_head(["optimizer", "published, 360M dense: sync, gap, gap with EF",
                            *(f"here, momentum {m:g}" for m in study.momentums)])

@@ -2,7 +2,7 @@
 
 - loss_curves.png: per optimizer, the training loss (seed mean, smoothed) of every mode, EF on/off;
 - gap_bars.png: per optimizer, the gap to sync of each delayed mode, without and with EF;
-- gap_vs_momentum.png: the gap of the main delayed mode against momentum, one line per optimizer;
+- gap_vs_momentum.png: the gap of the main delayed mode (2BW at its smallest depth) against momentum, one line per optimizer;
 - gap_vs_depth.png: per optimizer, each asynchronous schedule's gap against pipeline depth at each
   momentum (EF off; sync-start modes left out).
 
@@ -82,14 +82,12 @@ def _gap_bars(plt, rows, out: Path) -> Path | None:
     return _save(plt, fig, out / "gap_bars.png")
 
 
-def _gap_vs_momentum(plt, rows, out: Path) -> Path | None:
-    """The gap of the main delayed mode (2BW at its smallest depth) against momentum, EF off."""
-    delayed = [r for r in rows if r["mode"] != "sync" and not r["ef_lambda"] and r["gap"] is not None]
-    main = min((r["mode"] for r in delayed), key=lambda m: (not m.startswith("pipedream-2bw"), m), default=None)
+def _gap_vs_momentum(plt, rows, main: str | None, out: Path) -> Path | None:
+    """The gap of the main delayed mode (Study.main_delayed_mode) against momentum, EF off."""
+    delayed = [r for r in rows if r["mode"] == main and not r["ef_lambda"] and r["gap"] is not None]
     lines: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
     for r in delayed:
-        if r["mode"] == main:
-            lines[r["optimizer"]].append((r["momentum"], r["gap"], r["gap_std"]))
+        lines[r["optimizer"]].append((r["momentum"], r["gap"], r["gap_std"]))
     if not any(len(points) > 1 for points in lines.values()):
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -143,12 +141,13 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def write_figures(out_dir: Path, rows: list[dict], records: list[dict]) -> list[Path]:
-    """Draw the study's figures into out_dir; returns the files written."""
+def write_figures(out_dir: Path, rows: list[dict], records: list[dict], main_mode: str | None) -> list[Path]:
+    """Draw the study's figures into out_dir (main_mode: the name of the study's main delayed mode);
+    returns the files written."""
     if not records:
         return []
     plt = _plt()
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [_loss_curves(plt, records, out_dir / "arms", out_dir), _gap_bars(plt, rows, out_dir),
-               _gap_vs_momentum(plt, rows, out_dir), _gap_vs_depth(plt, rows, out_dir)]
+               _gap_vs_momentum(plt, rows, main_mode, out_dir), _gap_vs_depth(plt, rows, out_dir)]
     return [p for p in written if p is not None]

@@ -135,6 +135,12 @@ class Study:
             return self.ef_lambdas
         return [ef for ef in self.ef_lambdas if ef == 0]
 
+    def main_delayed_mode(self) -> tuple[str, int, int] | None:
+        """The delayed mode the study's headline, its optimizer and momentum claims and its momentum figure
+        read: PipeDream-2BW (the reference's schedule) at its smallest depth, without a sync start; None
+        when the grid does not run 2BW."""
+        return min((m for m in self.modes if m[0] == "pipedream-2bw" and not m[2]), default=None)
+
     def first_learning_rates(self) -> dict[tuple[str, float], float]:
         """Each (optimizer, momentum) at its first candidate learning rate: the pick without tuning."""
         return {(opt, momentum): lrs[0] for opt, lrs in self.learning_rates.items() for momentum in self.momentums}

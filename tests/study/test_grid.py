@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_asyncpp.study import StudyError, load_study, read_chosen
-from hf_asyncpp.study.grid import Arm
+from hf_asyncpp.study.grid import Arm, mode_name
 from hf_asyncpp.study.results import results_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -181,6 +181,22 @@ def test_ef_modes_naming_a_mode_the_grid_does_not_delay_or_leaving_one_without_a
         _study(tmp_path, **keys)
 
 
+# The main delayed mode: what the headline, the optimizer and momentum claims and the momentum figure read
+
+@pytest.mark.parametrize("modes,main", [
+    (["sync", "pipedream-2bw@16", "pipedream-2bw@2+sync10", "pipedream-2bw@4", "pipedream@2"], "pipedream-2bw@4"),
+    (["sync", "pipedream@2", "pipedream-2bw"], "pipedream-2bw@2"),  # written without @: the study's depth
+    (["sync", "pipedream@2", "wpipe@4"], None),  # the reference's claims are about 2BW
+])
+def test_the_main_delayed_mode_is_2bw_at_its_smallest_depth_without_a_sync_start(tmp_path, modes, main):
+    from hf_asyncpp.study.claims import _Grid
+
+    study = _study(tmp_path, modes=modes, depth=2)
+    found = study.main_delayed_mode()
+    assert (mode_name(*found) if found else None) == main
+    assert _Grid(study, {}).main == main
+
+
 def test_without_ef_on_the_claims_mode_the_ef_claims_are_not_in_the_grid(tmp_path):
     from hf_asyncpp.study.claims import claims_markdown, headline_markdown
     from tests.study.test_results import _table
@@ -286,7 +302,9 @@ def test_the_depth_figure_has_a_line_per_schedule_and_momentum_without_sync_star
     two_bw = trends["adamw"][("pipedream-2bw", 0.95)]
     assert [d for d, _, _ in two_bw] == [2, 4]  # sync start (2BW at depth 2 after 100 sync steps) is no point
     assert [g for _, g, _ in two_bw] == pytest.approx([0.5, 0.6])
-    assert "gap_vs_depth.png" in {p.name for p in write_figures(tmp_path, rows, records)}
+    drawn = {p.name for p in write_figures(tmp_path, rows, records, "pipedream-2bw@2")}
+    assert {"gap_vs_depth.png", "gap_vs_momentum.png"} <= drawn
+    assert "gap_vs_momentum.png" not in {p.name for p in write_figures(tmp_path, rows, records, None)}
 
 
 def test_a_best_learning_rate_at_the_edge_of_three_candidates_is_flagged(tmp_path):
