@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-__all__ = ["MANIFEST", "prepare_data", "read_manifest"]
+from .prepared import MANIFEST
 
-MANIFEST = "manifest.json"
+__all__ = ["prepare_data"]
 
 
 @dataclass(frozen=True)
@@ -93,12 +93,6 @@ def prepare_data(source: str, out_dir: str, tokenizer_name: str, seq_len: int, t
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(partial, out)
     return manifest
-
-
-def read_manifest(dataset: str) -> dict | None:
-    """The manifest of a prepared directory, or None for any other dataset."""
-    path = Path(dataset) / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _tokenize_files(pool, corpus: _Corpus, partial: Path, num_proc: int, max_tokens: int | None

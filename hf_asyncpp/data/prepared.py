@@ -12,14 +12,22 @@ hashes: the corpus is never scanned.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from .prepare import read_manifest
+__all__ = ["MANIFEST", "PreparedBlocks", "read_manifest"]
 
-__all__ = ["PreparedBlocks"]
+MANIFEST = "manifest.json"  # what marks a directory as prepared (written last by prepare.py)
+
+
+def read_manifest(dataset: str) -> dict | None:
+    """The manifest of a prepared directory, or None for any other dataset."""
+    path = Path(dataset) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 class PreparedBlocks:

@@ -16,8 +16,7 @@ import torch
 from ..evaluation import split_held_out
 from .packing import BlockPacker, check_disjoint, check_vocabulary
 from .prefetch import Prefetcher
-from .prepare import read_manifest
-from .prepared import PreparedBlocks
+from .prepared import PreparedBlocks, read_manifest
 from .samplers import MinibatchSampler, StreamingSampler
 from .sources import load_source
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from .errors import DataError, check_not_empty, diagnose_load_failure
-from .prepare import read_manifest
+from .prepared import read_manifest
 
 __all__ = [
     "check_dataset_source",
