@@ -2,7 +2,8 @@
 
 - loss_curves.png: per optimizer, the training loss (seed mean, smoothed) of every mode, EF on/off;
 - gap_bars.png: per optimizer, the gap to sync of each delayed mode, without and with EF;
-- gap_vs_momentum.png: the gap of the main delayed mode (2BW at its smallest depth) against momentum, one line per optimizer;
+- gap_vs_momentum.png: the gap of the main delayed mode (2BW at its smallest depth) against momentum,
+  one line per optimizer;
 - gap_vs_depth.png: per optimizer, each asynchronous schedule's gap against pipeline depth at each
   momentum (EF off; sync-start modes left out).
 
