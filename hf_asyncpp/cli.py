@@ -45,7 +45,7 @@ commands:
 def _study(argv: list[str]) -> int:
     import argparse
 
-    from .study import StudyError, load_study, read_chosen, report, run_study
+    from .study import StudyError, StudyStopped, load_study, read_chosen, report, run_study
     from .study.runner import progress
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp study")
@@ -64,6 +64,11 @@ def _study(argv: list[str]) -> int:
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except StudyStopped as stopped:
+        # As a run stopped by SIGTERM after its checkpoint: a clean end, not a failure.
+        print(f"study stopped ({stopped}): run the same command to continue; finished arms are kept and "
+              "stopped ones resume from their checkpoints", file=sys.stderr)
+        return 0
     for path in paths:
         print(path)
     return 0

@@ -141,16 +141,18 @@ def test_a_bad_study_file_fails_before_any_arm_runs(study_file, tmp_path):
 
 
 @pytest.mark.multirank
-def test_an_interrupted_arm_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(study_file, tmp_path,
-                                                                                         monkeypatch):
-    """With checkpoint_steps an arm stopped mid-run (SIGTERM: it saves at the next step boundary and exits)
-    is resumed by the rerun from its latest checkpoint: per-step losses and the final validation loss
-    equal those of the same arm run straight through, and its checkpoints are gone once it finished."""
+def test_a_study_stopped_by_a_signal_stops_its_arm_at_a_checkpoint_that_the_rerun_resumes_bitwise(
+        study_file, tmp_path, monkeypatch):
+    """With checkpoint_steps, SIGTERM to the study stops its running arm (the arm saves a checkpoint at its
+    next step boundary and exits) and starts no further arm; the arm counts as stopped, not failed. The
+    rerun resumes it from that checkpoint: per-step losses and the final validation loss equal those of
+    the same arm run straight through, and its checkpoints are gone once it finished."""
+    import os
     import signal
-    import subprocess
+    import threading
     import time
 
-    from hf_asyncpp.study import load_study, runner
+    from hf_asyncpp.study import StudyStopped, load_study, runner
     from hf_asyncpp.study.grid import Arm
 
     base = yaml.safe_load((tmp_path / "base.yaml").read_text())
@@ -160,28 +162,31 @@ def test_an_interrupted_arm_resumes_from_its_checkpoint_and_ends_as_an_uninterru
     (tmp_path / "resumed.yaml").write_text(yaml.safe_dump({**raw, "checkpoint_steps": 5,
                                                           "output_dir": str(tmp_path / "resumed")}))
     straight, resumed = load_study(tmp_path / "straight.yaml"), load_study(tmp_path / "resumed.yaml")
-    arm = Arm("adamw", "pipedream-2bw", 2, 0.0, 0.9, 3.0e-3, 0)
+    arm, queued = Arm("adamw", "pipedream-2bw", 2, 0.0, 0.9, 3.0e-3, 0), Arm("adamw", "sync", 1, 0.0, 0.9, 3.0e-3, 0)
     assert runner._settings(straight, arm) == runner._settings(resumed, arm)  # checkpoints change no result
     assert runner.run_arms(straight, [arm], lambda *_: None) == {arm.name: "done"}
 
     directory = runner.arm_dir(resumed, arm)
 
-    def preempted(command, out, err, env):
-        process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+    def stop_the_study_mid_arm():
         metrics = directory / "metrics.jsonl"
-        while process.poll() is None and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 8):
+        while not metrics.is_file() or len(metrics.read_text().splitlines()) < 8:
             time.sleep(0.01)
-        process.send_signal(signal.SIGTERM)
-        return process.wait()
+        os.kill(os.getpid(), signal.SIGTERM)  # from a worker thread, as the OS may deliver it
 
-    launch = runner._launch
-    monkeypatch.setattr(runner, "_launch", preempted)
-    assert runner.run_arms(resumed, [arm], lambda *_: None) == {arm.name: "failed"}  # stopped without a final eval
+    handler = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_the_study_mid_arm, daemon=True).start()
+    messages = []
+    with pytest.raises(StudyStopped, match="arms stopped at a checkpoint: 1, not started: 1"):
+        runner.run_arms(resumed, [arm, queued], messages.append)
+    assert signal.getsignal(signal.SIGTERM) == handler  # the study's handler is gone with it
+    assert f"study: {arm.name}: stopped; a rerun resumes it from its checkpoint" in messages
+    assert not (directory / "failed.txt").exists() and not runner.arm_dir(resumed, queued).exists()
     saved = sorted(directory.glob("checkpoint-*"))
     assert len(saved) == 1 and (directory / "running.json").is_file()
     stopped = int(saved[0].name.split("-")[1])
     assert 8 <= stopped < 60
-    monkeypatch.setattr(runner, "_launch", launch)
+    assert runner._alive_process(directory) is None  # the arm's process has ended
 
     messages = []
     assert runner.run_arms(resumed, [arm], messages.append) == {arm.name: "done"}

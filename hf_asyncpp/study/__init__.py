@@ -19,9 +19,10 @@ from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study, mode_name
 from .claims import claims_markdown, headline_markdown
 from .results import collect_arms, final_losses, results_rows, write_results
+from .processes import StudyStopped
 from .runner import check_arms, finished_record, run_arms
 
-__all__ = ["Arm", "Study", "StudyError", "load_study", "read_chosen", "report", "run_study"]
+__all__ = ["Arm", "Study", "StudyError", "StudyStopped", "load_study", "read_chosen", "report", "run_study"]
 
 logger = get_logger(__name__)
 
@@ -125,7 +126,8 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
 
 
 def run_study(path: str | Path, log=logger.info) -> list[Path]:
-    """Run (or continue) a study and write its report; returns the files written."""
+    """Run (or continue) a study and write its report; returns the files written. StudyStopped, without
+    a report, when a signal stopped it (a rerun continues it)."""
     study = load_study(path)
     # Every arm's config is checked before anything runs (with each optimizer's first learning rate).
     check_arms(study, study.tuning_arms() + study.arms(study.first_learning_rates()))

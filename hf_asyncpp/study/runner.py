@@ -8,9 +8,11 @@ and `metrics.jsonl` are the arm's whole result: a study whose output_dir is kept
 carries its finished arms to another machine (stdout.txt and stderr.txt are logs). A crashed arm
 leaves `failed.txt` (exit status and the end of its stderr) and the others go on; a rerun retries it.
 With `checkpoint_steps`, an arm keeps its latest training checkpoint while it runs and `running.json`
-(the settings it runs with); a rerun resumes an interrupted arm from that checkpoint when the settings
-are still the same (the run continues bitwise) and starts it over otherwise. A finished arm's
-checkpoints are deleted.
+(the settings it runs with, and its process id); a rerun resumes an interrupted arm from that checkpoint
+when the settings are still the same (the run continues bitwise) and starts it over otherwise. A
+finished arm's checkpoints are deleted. A signal stops the study and its running arms (processes.py);
+a rerun while an arm of an earlier study run is still alive (its study killed outright) is refused, as
+two processes would write one directory.
 Arms run `parallel` at a time. Before anything runs, every arm's config is validated, so a typo fails
 the study at once instead of after an hour.
 """
@@ -22,15 +24,15 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..log import get_logger
 from ..provenance import machine, software_versions, source_commit
 from .grid import Arm, Study, StudyError
+from .processes import ArmProcesses, StudyStopped
 
 __all__ = ["arm_dir", "check_arms", "finished_record", "progress", "run_arms"]
 
@@ -167,11 +169,6 @@ def progress(study: Study, arms: list[Arm]) -> str:
     return line + f"; {len(left)} to run, about {hours:.1f} hours at the finished arms' pace, {study.parallel} at a time"
 
 
-def _launch(command: list[str], out, err, env: dict) -> int:
-    """Run an arm's command to its end; its exit status."""
-    return subprocess.run(command, stdout=out, stderr=err, env=env).returncode
-
-
 def _resumable_step(directory: Path, settings: dict) -> int:
     """The step of the arm's latest complete checkpoint when the run that wrote it had `settings`, else 0."""
     from ..checkpoint.checkpoints import list_checkpoints
@@ -191,11 +188,33 @@ def _drop_checkpoints(directory: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _run_one(study: Study, arm: Arm, log) -> str:
+def _alive_process(directory: Path) -> int | None:
+    """The id of the process running.json names if it still runs this arm (its command line names the
+    arm's directory, so a reused id does not count), else None."""
+    try:
+        pid = int(json.loads((directory / RUNNING).read_text())["pid"])
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if str(directory).encode() in command else None
+
+
+def _refuse_alive(study: Study, arms: list[Arm]) -> None:
+    for arm in arms:
+        pid = _alive_process(arm_dir(study, arm))
+        if pid is not None:
+            raise StudyError(f"arm {arm.name} is still running (process {pid}) from an earlier run of the study: "
+                             f"stop it first (kill {pid}: it saves a checkpoint, which this run then resumes)")
+
+
+def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
+    log = processes.log
     directory = arm_dir(study, arm)
     settings = _settings(study, arm)
     if _finished(directory, settings) is not None:
         return "skipped"
+    if processes.stop_signal is not None:
+        return "not started"
     if (directory / DONE).is_file():
         log(f"study: {arm.name}: its settings changed since it ran; running it again")
         (directory / DONE).unlink()
@@ -211,9 +230,17 @@ def _run_one(study: Study, arm: Arm, log) -> str:
     start = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     mode = "a" if resumed_after else "w"
+    def started(pid: int) -> None:
+        (directory / RUNNING).write_text(json.dumps({"settings": settings, "pid": pid}))
+
     with open(directory / "stdout.txt", mode) as out, open(directory / "stderr.txt", mode) as err:
-        status = _launch(_command(study, arm), out, err, env)
+        status = processes.run(_command(study, arm), out, err, env, started)
+    if status is None:
+        return "not started"
     final = _final_eval(directory)
+    if processes.stop_signal is not None and final is None:  # its checkpoint and running.json stay
+        log(f"study: {arm.name}: stopped; a rerun resumes it from its checkpoint")
+        return "stopped"
     if status != 0 or final is None:
         tail = (directory / "stderr.txt").read_text()[-4000:]
         (directory / FAILED).write_text(f"exit status {status}\n{tail}")
@@ -232,14 +259,26 @@ def _run_one(study: Study, arm: Arm, log) -> str:
 
 def run_arms(study: Study, arms: list[Arm], log=logger.info) -> dict[str, str]:
     """Run the arms not finished yet, `study.parallel` at a time; {arm name: done|skipped|failed}.
-    The arms' configs are expected to be checked (`check_arms`) already."""
+    The arms' configs are expected to be checked (`check_arms`) already. StudyStopped once a signal
+    stopped the study (processes.py) and its running arms have saved their checkpoints."""
+    _refuse_alive(study, arms)
+    processes = ArmProcesses(log)
+
     def run(arm: Arm) -> str:
-        outcome = _run_one(study, arm, log)
+        outcome = _run_one(study, arm, processes)
         if outcome == "done":
             log(f"study: {progress(study, arms)}")
         return outcome
 
     log(f"study: {progress(study, arms)}")
-    with ThreadPoolExecutor(max_workers=study.parallel) as pool:
-        outcomes = list(pool.map(run, arms))
-    return {arm.name: outcome for arm, outcome in zip(arms, outcomes)}
+    with processes.stopping_on_signals(), ThreadPoolExecutor(max_workers=study.parallel) as pool:
+        futures = {arm.name: pool.submit(run, arm) for arm in arms}
+        # Waiting in slices: a signal the OS hands to a worker thread is handled by the main thread only
+        # when it next runs Python code, which a wait without a timeout would put off until an arm ends.
+        while wait(list(futures.values()), timeout=1.0).not_done:
+            pass
+        outcomes = {name: future.result() for name, future in futures.items()}
+    if processes.stop_signal is not None:
+        counts = {o: sum(v == o for v in outcomes.values()) for o in ("stopped", "not started")}
+        raise StudyStopped(f"arms stopped at a checkpoint: {counts['stopped']}, not started: {counts['not started']}")
+    return outcomes

@@ -146,3 +146,35 @@ def test_checkpointing_the_arms_keeps_the_finished_ones_finished(tmp_path):
 
     assert _config(checkpointed, ARM).save_steps == 50 and _config(checkpointed, ARM).resume_from_checkpoint == "latest"
     assert _finished(directory, _settings(checkpointed, ARM))
+
+
+def test_a_rerun_is_refused_while_an_arm_of_an_earlier_run_still_writes_its_directory(tmp_path):
+    """A study killed outright (SIGKILL) leaves its arms running; a rerun would start a second process
+    writing the same directory. The process running.json names counts only while its command line
+    names the arm's directory (a reused process id does not)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from hf_asyncpp.study import StudyError
+    from hf_asyncpp.study.runner import _refuse_alive
+
+    study = _study(tmp_path)
+    directory = arm_dir(study, ARM)
+    directory.mkdir(parents=True)
+    sleep = "import time; time.sleep(60)"
+    arm = subprocess.Popen([sys.executable, "-c", sleep, "--output_dir", str(directory)])
+    other = subprocess.Popen([sys.executable, "-c", sleep])
+    try:
+        (directory / "running.json").write_text(json.dumps({"settings": {}, "pid": other.pid}))
+        _refuse_alive(study, [ARM])
+        (directory / "running.json").write_text(json.dumps({"settings": {}, "pid": arm.pid}))
+        with pytest.raises(StudyError, match=rf"arm {ARM.name} is still running \(process {arm.pid}\)"):
+            _refuse_alive(study, [ARM])
+    finally:
+        arm.kill(), other.kill()
+        arm.wait(), other.wait()
+    _refuse_alive(study, [ARM])  # its process has ended: the rerun resumes the arm
+    (directory / "running.json").write_text(json.dumps({"settings": {}}))  # written before process ids were kept
+    _refuse_alive(study, [ARM])
