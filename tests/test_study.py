@@ -144,7 +144,8 @@ def test_a_bad_study_file_fails_before_any_arm_runs(study_file, tmp_path):
 def test_a_study_stopped_by_a_signal_stops_its_arm_at_a_checkpoint_that_the_rerun_resumes_bitwise(
         study_file, tmp_path, monkeypatch):
     """With checkpoint_steps, SIGTERM to the study stops its running arm (the arm saves a checkpoint at its
-    next step boundary and exits) and starts no further arm; the arm counts as stopped, not failed. The
+    next step boundary and exits cleanly) and starts no further arm; the arm counts as stopped, neither
+    failed nor finished (its mid-run evaluation is not a final one). The
     rerun resumes it from that checkpoint: per-step losses and the final validation loss equal those of
     the same arm run straight through, and its checkpoints are gone once it finished."""
     import os
@@ -156,7 +157,8 @@ def test_a_study_stopped_by_a_signal_stops_its_arm_at_a_checkpoint_that_the_reru
     from hf_asyncpp.study.grid import Arm
 
     base = yaml.safe_load((tmp_path / "base.yaml").read_text())
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**base, "max_steps": 60}))
+    # An evaluation every 7 steps: the stopped arm has evaluated mid-run, which is not its result.
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**base, "max_steps": 60, "eval_steps": 7}))
     raw = {**yaml.safe_load(study_file.read_text()), "ef": [0], "seeds": [0], "parallel": 1}
     (tmp_path / "straight.yaml").write_text(yaml.safe_dump({**raw, "output_dir": str(tmp_path / "straight")}))
     (tmp_path / "resumed.yaml").write_text(yaml.safe_dump({**raw, "checkpoint_steps": 5,
@@ -194,7 +196,7 @@ def test_a_study_stopped_by_a_signal_stops_its_arm_at_a_checkpoint_that_the_reru
     losses = {d: [(r["step"], r.get("loss"), r.get("eval_loss")) for r in map(json.loads, (
         runner.arm_dir(s, arm) / "metrics.jsonl").read_text().splitlines()) if "loss" in r or "eval_loss" in r]
         for d, s in (("straight", straight), ("resumed", resumed))}
-    assert losses["resumed"] == losses["straight"] and len(losses["straight"]) == 61  # 60 steps + the final eval
+    assert losses["resumed"] == losses["straight"] and len(losses["straight"]) == 60 + 9  # 60 steps, 9 evaluations
     record = json.loads((directory / "arm.json").read_text())
     assert record["resumed_after_step"] == stopped
     assert not list(directory.glob("checkpoint-*")) and not (directory / "running.json").exists()

@@ -87,12 +87,14 @@ def _command(study: Study, arm: Arm) -> list[str]:
     return [*prefix, "--config", str(study.base_config), *_cli(_overrides(study, arm))]
 
 
-def _final_eval(directory: Path) -> dict | None:
+def _final_eval(directory: Path, last_step: int) -> dict | None:
+    """The arm's evaluation at its last step, None before it (a run stopped after a mid-run evaluation
+    exits cleanly too: that evaluation is not the arm's result)."""
     path = directory / "metrics.jsonl"
     if not path.is_file():
         return None
     evals = [r for r in map(json.loads, path.read_text().splitlines()) if "eval_loss" in r]
-    return evals[-1] if evals else None
+    return evals[-1] if evals and evals[-1]["step"] == last_step else None
 
 
 # Where and when an arm writes, not what it computes: a study moved to another directory, or checkpointing
@@ -237,7 +239,7 @@ def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
         status = processes.run(_command(study, arm), out, err, env, started)
     if status is None:
         return "not started"
-    final = _final_eval(directory)
+    final = _final_eval(directory, settings["config"]["max_steps"])
     if processes.stop_signal is not None and final is None:  # its checkpoint and running.json stay
         log(f"study: {arm.name}: stopped; a rerun resumes it from its checkpoint")
         return "stopped"
