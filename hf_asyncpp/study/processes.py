@@ -36,8 +36,11 @@ class ArmProcesses:
 
     @contextlib.contextmanager
     def stopping_on_signals(self):
+        # A signal ignored from the start stays ignored: under nohup a closed terminal's SIGHUP, or a
+        # background job's SIGINT, is not meant to stop the study.
+        taken = [s for s in _STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
         try:
-            previous = {s: signal.signal(s, self._stop) for s in _STOP_SIGNALS}
+            previous = {s: signal.signal(s, self._stop) for s in taken}
         except ValueError:  # not the main thread: the signals stay as they are
             yield self
             return
