@@ -191,22 +191,23 @@ def _drop_checkpoints(directory: Path) -> None:
 
 
 def _alive_process(directory: Path) -> int | None:
-    """The id of the process running.json names if it still runs this arm (its command line names the
-    arm's directory, so a reused id does not count), else None."""
+    """The id of the process running.json names if it still runs this arm (an argument of its command
+    line is the arm's directory, so a reused id does not count), else None."""
     try:
         pid = int(json.loads((directory / RUNNING).read_text())["pid"])
         command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return pid if str(directory).encode() in command else None
+    return pid if str(directory).encode() in command.split(b"\0") else None
 
 
 def _refuse_alive(study: Study, arms: list[Arm]) -> None:
     for arm in arms:
         pid = _alive_process(arm_dir(study, arm))
         if pid is not None:
-            raise StudyError(f"arm {arm.name} is still running (process {pid}) from an earlier run of the study: "
-                             f"stop it first (kill {pid}: it saves a checkpoint, which this run then resumes)")
+            raise StudyError(f"arm {arm.name} is running (process {pid}), started by another run of this study: "
+                             "stop that run first (SIGTERM: its arms save a checkpoint, which a rerun resumes), or "
+                             f"this arm (kill {pid}) if its study is gone")
 
 
 def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
@@ -232,6 +233,7 @@ def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
     start = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     mode = "a" if resumed_after else "w"
+
     def started(pid: int) -> None:
         (directory / RUNNING).write_text(json.dumps({"settings": settings, "pid": pid}))
 

@@ -170,7 +170,7 @@ def test_a_rerun_is_refused_while_an_arm_of_an_earlier_run_still_writes_its_dire
         (directory / "running.json").write_text(json.dumps({"settings": {}, "pid": other.pid}))
         _refuse_alive(study, [ARM])
         (directory / "running.json").write_text(json.dumps({"settings": {}, "pid": arm.pid}))
-        with pytest.raises(StudyError, match=rf"arm {ARM.name} is still running \(process {arm.pid}\)"):
+        with pytest.raises(StudyError, match=rf"arm {ARM.name} is running \(process {arm.pid}\), started by another run"):
             _refuse_alive(study, [ARM])
     finally:
         arm.kill(), other.kill()
