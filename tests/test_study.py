@@ -200,3 +200,17 @@ def test_a_study_stopped_by_a_signal_stops_its_arm_at_a_checkpoint_that_the_reru
     record = json.loads((directory / "arm.json").read_text())
     assert record["resumed_after_step"] == stopped
     assert not list(directory.glob("checkpoint-*")) and not (directory / "running.json").exists()
+
+
+def test_a_stopped_study_exits_0_and_says_how_to_continue(monkeypatch, capsys):
+    """As a run stopped by SIGTERM after its checkpoint: the study command ends cleanly, with one line."""
+    import hf_asyncpp.study as study
+    from hf_asyncpp.cli import main
+
+    def stopped(path):
+        raise study.StudyStopped("arms stopped at a checkpoint: 2, not started: 40")
+
+    monkeypatch.setattr(study, "run_study", stopped)
+    assert main(["study", "any.yaml"]) == 0
+    err = capsys.readouterr().err
+    assert "study stopped (arms stopped at a checkpoint: 2, not started: 40): run the same command" in err
