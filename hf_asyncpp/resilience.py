@@ -162,14 +162,23 @@ class TerminationRequest:
             logger.warning("SIGTERM: saving a checkpoint at the next step boundary, then stopping")
         self.requested = True
 
-    @contextlib.contextmanager
     def installed(self):
-        try:
-            previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread (e.g. inside a notebook's worker): signals stay as they are
-            yield self
-            return
-        try:
-            yield self
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        return signals_handled(self._handle, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_handled(handler, *signals: signal.Signals):
+    """`handler` takes `signals` while the context is active, then their previous handlers again. A
+    signal ignored from the start stays ignored (under nohup, SIGHUP is not meant to stop anything);
+    outside the main thread (a notebook's worker, say) the signals stay as they are."""
+    taken = [s for s in signals if signal.getsignal(s) is not signal.SIG_IGN]
+    try:
+        previous = {s: signal.signal(s, handler) for s in taken}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)

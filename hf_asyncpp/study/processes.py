@@ -9,11 +9,12 @@ by a KeyboardInterrupt that would lose their steps since the last checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import threading
 from typing import Callable
+
+from ..resilience import signals_handled
 
 __all__ = ["ArmProcesses", "StudyStopped"]
 
@@ -34,21 +35,10 @@ class ArmProcesses:
         # Re-entrant: a second signal may arrive while the main thread runs the handler of the first.
         self._lock = threading.RLock()
 
-    @contextlib.contextmanager
     def stopping_on_signals(self):
-        # A signal ignored from the start stays ignored: under nohup a closed terminal's SIGHUP, or a
-        # background job's SIGINT, is not meant to stop the study.
-        taken = [s for s in _STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
-        try:
-            previous = {s: signal.signal(s, self._stop) for s in taken}
-        except ValueError:  # not the main thread: the signals stay as they are
-            yield self
-            return
-        try:
-            yield self
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        """While active, the stop signals stop the study (a signal ignored from the start, as nohup's
+        SIGHUP or a background job's SIGINT, stays ignored)."""
+        return signals_handled(self._stop, *_STOP_SIGNALS)
 
     def _stop(self, signum, frame) -> None:
         with self._lock:
