@@ -228,7 +228,6 @@ def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
         log(f"study: {arm.name}: resuming after step {resumed_after}")
     else:
         _drop_checkpoints(directory)  # another run's, or none
-    (directory / RUNNING).write_text(json.dumps({"settings": settings}))
     provenance = {"commit": source_commit(), "versions": software_versions(), "machine": machine()}
     start = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
