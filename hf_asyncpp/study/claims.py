@@ -12,7 +12,8 @@ by more than the two-sided 95% Student-t bound, t(n − 1) · sd / √n (a paire
 - a claim that the effect is positive is `reproduced` when the mean is above the bound, `opposite` when
   below its negative, else `not beyond noise`;
 - a claim that it is not positive (a gap that does not grow, a delayed run that matches sync) is
-  `reproduced` unless the mean is above the bound (`not reproduced`).
+  `not reproduced` when the mean is above the bound, `reproduced` when it is not positive, else (a
+  positive mean the seeds cannot tell from zero: two seeds rarely can) `not beyond noise`.
 One seed has no spread: the verdict then says only whether the sign agrees (`agrees (1 seed)`).
 """
 
@@ -57,7 +58,7 @@ def verdict(values: list[float], expect_positive: bool) -> str:
     bound = _t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     if expect_positive:
         return "reproduced" if mean > bound else "opposite" if mean < -bound else "not beyond noise"
-    return "not reproduced" if mean > bound else "reproduced"
+    return "not reproduced" if mean > bound else "reproduced" if mean <= 0 else "not beyond noise"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ def _mean(values: dict[int, float]) -> str:
     return f"{statistics.fmean(values.values()):+.3f}" if values else "–"
 
 
+def _common(a: dict[int, float], b: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+    """a and b on the seeds both have: the seeds an effect pairs, so the means shown beside it are
+    taken over the same seeds as the effect (a seed run on one side only would move them apart)."""
+    return {s: v for s, v in a.items() if s in b}, {s: v for s, v in b.items() if s in a}
+
+
 def _optimizer_gaps(g: _Grid) -> list[Effect]:
     mode = g.main
     if mode is None or "adamw" not in g.optimizers:
@@ -111,7 +118,7 @@ def _optimizer_gaps(g: _Grid) -> list[Effect]:
     return [Effect(f"adamw − {other}, momentum {m:g}", _paired(adamw, theirs),
                    f"adamw {_mean(adamw)}, {other} {_mean(theirs)}")
             for m in g.momentums for other in g.optimizers if other != "adamw"
-            for adamw, theirs in [(g.gap("adamw", mode, m), g.gap(other, mode, m))]]
+            for adamw, theirs in [_common(g.gap("adamw", mode, m), g.gap(other, mode, m))]]
 
 
 def _ef_matches_sync(g: _Grid) -> list[Effect]:
@@ -129,12 +136,11 @@ def _ef_removes_half(g: _Grid) -> list[Effect]:
     effects = []
     for o in g.optimizers:
         for m in g.momentums:
-            off, on = g.gap(o, mode, m), g.gap(o, mode, m, g.ef)
+            off, on = _common(g.gap(o, mode, m), g.gap(o, mode, m, g.ef))
             values = _paired(off, on, scale_a=0.5)  # > 0: EF's gap is below half the gap without it
             shown = "–"
             if values:
-                mean_off = statistics.fmean(off[s] for s in off if s in on)
-                mean_on = statistics.fmean(on[s] for s in off if s in on)
+                mean_off, mean_on = statistics.fmean(off.values()), statistics.fmean(on.values())
                 removed = ef_share(mean_off, mean_on)
                 share = "no gap to remove" if removed is None else f"{removed:.0%}"
                 shown = f"{share} (gap {mean_off:+.3f} → {mean_on:+.3f})"
@@ -148,7 +154,7 @@ def _momentum(g: _Grid) -> list[Effect]:
         return []
     low, high = min(g.momentums), max(g.momentums)
     return [Effect(f"{o}, momentum {low:g} − {high:g}", _paired(a, b), f"{_mean(a)} → {_mean(b)}")
-            for o in g.optimizers for a, b in [(g.gap(o, mode, low), g.gap(o, mode, high))]]
+            for o in g.optimizers for a, b in [_common(g.gap(o, mode, low), g.gap(o, mode, high))]]
 
 
 def _growth_with_depth(schedule: str) -> Callable[[_Grid], list[Effect]]:
@@ -157,7 +163,7 @@ def _growth_with_depth(schedule: str) -> Callable[[_Grid], list[Effect]]:
             return []
         shallow, deep = g.mode(schedule), g.mode(schedule, deepest=True)
         return [Effect(f"{o}, momentum {m:g}, {deep} − {shallow}", _paired(b, a), f"{_mean(a)} → {_mean(b)}")
-                for o in g.optimizers for m in g.momentums for a, b in [(g.gap(o, shallow, m), g.gap(o, deep, m))]]
+                for o in g.optimizers for m in g.momentums for a, b in [_common(g.gap(o, shallow, m), g.gap(o, deep, m))]]
     return effects
 
 
@@ -167,7 +173,7 @@ def _pipedream_against_2bw(g: _Grid) -> list[Effect]:
         return []
     pd, bw = mode_name("pipedream", common[-1]), mode_name("pipedream-2bw", common[-1])
     return [Effect(f"{o}, momentum {m:g}, depth {common[-1]}", _paired(a, b), f"pipedream {_mean(a)}, 2bw {_mean(b)}")
-            for o in g.optimizers for m in g.momentums for a, b in [(g.gap(o, pd, m), g.gap(o, bw, m))]]
+            for o in g.optimizers for m in g.momentums for a, b in [_common(g.gap(o, pd, m), g.gap(o, bw, m))]]
 
 
 def _published(column: int) -> str:
@@ -231,7 +237,7 @@ def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
             continue
         predicted = "> 0" if claim.expect_positive else "not > 0"
         lines += ["", f"**{claim.statement}**: effect = {claim.effect}, predicted {predicted}", "",
-                  *markdown_head(["compared", "measured (seed means)", "effect", "verdict"])]
+                  *markdown_head(["compared", "measured (means over the effect's seeds)", "effect", "verdict"])]
         for e in effects:
             effect = spread(statistics.fmean(e.values), _std(e.values), len(e.values)) if e.values else "–"
             lines.append(markdown_row([e.subject, e.measured, effect, verdict(e.values, claim.expect_positive)]))

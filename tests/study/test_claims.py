@@ -30,7 +30,8 @@ def test_an_effect_counts_exactly_when_a_two_sided_paired_t_test_rejects_zero_at
         positive = sum(values) > 0
         expected = ("reproduced" if positive else "opposite") if significant else "not beyond noise"
         assert verdict(values, expect_positive=True) == expected
-        assert verdict(values, expect_positive=False) == ("not reproduced" if significant and positive else "reproduced")
+        absent = "not reproduced" if significant and positive else "not beyond noise" if positive else "reproduced"
+        assert verdict(values, expect_positive=False) == absent
 
 
 def test_by_hand_three_seeds_need_a_mean_above_4_303_standard_errors():
@@ -39,6 +40,10 @@ def test_by_hand_three_seeds_need_a_mean_above_4_303_standard_errors():
     assert verdict([2.0, 3.0, 4.0], True) == "reproduced"
     assert verdict([-2.0, -3.0, -4.0], True) == "opposite"
     assert verdict([], True) == "not measured yet"
+    # A predicted absence: a positive mean within the bound is not evidence for it.
+    assert verdict([1.0, 2.0, 3.0], False) == "not beyond noise"
+    assert verdict([2.0, 3.0, 4.0], False) == "not reproduced"
+    assert verdict([-1.0, 0.0, 1.0], False) == "reproduced"
 
 
 def test_one_seed_says_only_whether_the_sign_agrees():
@@ -107,6 +112,17 @@ def test_an_effect_row_shows_the_seed_means_and_the_paired_effect(tmp_path):
     rows = _table(text, "| compared |")  # the first claim's effects
     # AdamW's gaps per seed: 0.51, 0.48, 0.50 (noise × (1 + seed)); Muon's: 0.06, 0.03, 0.05.
     assert rows[1] == ["adamw − muon, momentum 0.9", "adamw +0.497, muon +0.047", "+0.450 ± 0.000 (3 seeds)", "reproduced"]
+
+
+def test_the_means_beside_an_effect_are_over_the_seeds_it_pairs(tmp_path):
+    """Depth 4 has seed 0 only: the depth-2 mean beside the effect is seed 0's too, not all three seeds'
+    (which would show a growth of +0.013 where the paired effect is zero)."""
+    records = [r for r in _records() if not (r["arm"]["depth"] == 4 and r["arm"]["seed"] > 0)]
+    text = claims_markdown(_study(tmp_path), final_losses(records))
+    rows = [row for line in text.splitlines() if line.startswith("| adamw, momentum 0.9, pipedream-2bw@4")
+            for row in [[cell.strip() for cell in line.strip("|").split("|")]]]
+    assert rows == [["adamw, momentum 0.9, pipedream-2bw@4 − pipedream-2bw@2", "+0.510 → +0.510", "+0.000 (1 seed)",
+                     "agrees (1 seed)"]]
 
 
 def test_claims_without_their_arms_say_so_and_a_grid_without_their_modes_has_none(tmp_path):
