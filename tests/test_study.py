@@ -170,17 +170,23 @@ def test_a_study_stopped_by_a_signal_stops_its_arm_at_a_checkpoint_that_the_reru
 
     directory = runner.arm_dir(resumed, arm)
 
+    returned = threading.Event()
+
     def stop_the_study_mid_arm():
         metrics = directory / "metrics.jsonl"
         while not metrics.is_file() or len(metrics.read_text().splitlines()) < 8:
-            time.sleep(0.01)
+            if returned.wait(0.01):
+                return  # the arm ended before its 8th line: the assertions below say so, no signal
         os.kill(os.getpid(), signal.SIGTERM)  # from a worker thread, as the OS may deliver it
 
     handler = signal.getsignal(signal.SIGTERM)
     threading.Thread(target=stop_the_study_mid_arm, daemon=True).start()
     messages = []
-    with pytest.raises(StudyStopped, match="arms stopped at a checkpoint: 1, not started: 1"):
-        runner.run_arms(resumed, [arm, queued], messages.append)
+    try:
+        with pytest.raises(StudyStopped, match="arms stopped at a checkpoint: 1, not started: 1"):
+            runner.run_arms(resumed, [arm, queued], messages.append)
+    finally:
+        returned.set()  # the watcher must not signal the rerun below
     assert signal.getsignal(signal.SIGTERM) == handler  # the study's handler is gone with it
     assert f"study: {arm.name}: stopped; a rerun resumes it from its checkpoint" in messages
     assert not (directory / "failed.txt").exists() and not runner.arm_dir(resumed, queued).exists()
