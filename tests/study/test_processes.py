@@ -45,15 +45,19 @@ def test_a_stop_sends_sigterm_to_each_running_arm_and_starts_no_more(tmp_path):
 
 def test_the_study_takes_the_stop_signals_while_it_runs_and_leaves_ignored_ones_ignored():
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    # The start as under `nohup` in a terminal: SIGHUP ignored, the others as Python sets them (a
+    # background job of a non-interactive shell inherits SIGINT ignored, so set it explicitly).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         processes = ArmProcesses(lambda *_: None)
         with processes.stopping_on_signals():
             assert signal.getsignal(signal.SIGTERM) == processes._stop
             assert signal.getsignal(signal.SIGINT) == processes._stop
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-        assert signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]
-        assert signal.getsignal(signal.SIGINT) == previous[signal.SIGINT]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
