@@ -123,23 +123,32 @@ def test_the_trainer_and_train_py_share_one_engine_and_a_trainer_run_resumes_and
     assert TOKEN not in card
 
 
+@pytest.fixture(scope="module")
+def stopped_run(corpus, tmp_path_factory):
+    """A 2BW run whose callback stops training after step 2, reporting to tensorboard and counting
+    input tokens (one launch that two specifications below read)."""
+    out = tmp_path_factory.mktemp("stopped")
+    history = _trainer_run(corpus, out, "--stop_after", "2", eval_strategy="no", save_steps=0,
+                           report_to="tensorboard", include_num_input_tokens_seen=True)
+    return out, history
+
+
 @pytest.mark.multirank
-def test_a_callbacks_stop_ends_an_asynchronous_pipeline_one_drained_step_later(corpus, tmp_path):
+def test_a_callbacks_stop_ends_an_asynchronous_pipeline_one_drained_step_later(stopped_run):
     from transformers import AutoModelForCausalLM
 
-    history = _trainer_run(corpus, tmp_path / "stopped", "--stop_after", "2", eval_strategy="no", save_steps=0,
-                           report_to="tensorboard")
+    out, history = stopped_run
     assert history["global_step"] == 3  # minibatch 3 was in flight when the callback stopped training
     losses = _losses(history["log_history"])
     assert sorted(losses) == [1, 2, 3]
     # report_to tensorboard reaches transformers' TensorBoardCallback with the logged losses.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    [run] = (tmp_path / "stopped" / "runs").iterdir()
+    [run] = (out / "runs").iterdir()
     events = EventAccumulator(str(run)).Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
         (step, pytest.approx(loss, rel=1e-6)) for step, loss in sorted(losses.items())]
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "stopped" / "final")
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -429,11 +438,9 @@ HF_NAMED_KEYS = {"step", "epoch", "loss", "aux_loss", "learning_rate", "grad_nor
 
 
 @pytest.mark.multirank
-def test_log_history_and_metrics_jsonl_of_a_run_share_their_keys_and_values(corpus, tmp_path):
-    out = tmp_path / "keys"
-    # num_input_tokens_seen reaches log_history only when asked for, as in Trainer
-    history = _trainer_run(corpus, out, eval_strategy="no", save_steps=0, max_steps=3,
-                           include_num_input_tokens_seen=True)["log_history"]
+def test_log_history_and_metrics_jsonl_of_a_run_share_their_keys_and_values(stopped_run):
+    # num_input_tokens_seen reaches log_history only when asked for (the run asks), as in Trainer
+    out, history = stopped_run[0], stopped_run[1]["log_history"]
     logged = [entry for entry in history if "loss" in entry and "train_runtime" not in entry]
     records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [entry["step"] for entry in logged] == [record["step"] for record in records] == [1, 2, 3]
