@@ -1,7 +1,8 @@
 """A checkpoint save that runs out of disk stops the run with the path and the cause, and the
 previous checkpoint stays complete and loadable.
 
-train.py under torchrun (pp 2, 1F1B, AdamW; the reference run on ranks of the suite's pool) writes
+train.py under torchrun (pp 2, 1F1B, AdamW; the reference and resumed runs are train.py's main on
+ranks of the suite's pool) writes
 into a small tmpfs that holds one checkpoint and the run's logs but not a second checkpoint beside
 it: checkpoint-2 completes, checkpoint-4 fails on whichever rank hits the full disk first (the
 message gives the cause and the free space); every rank stops with the same error (exit status
@@ -88,9 +89,8 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path, s
     finally:
         subprocess.run(["umount", str(small_disk)], capture_output=True)
     moved = tmp_path / "moved"
-    resumed = subprocess.run(_command(tmp_path, moved, "--resume_from_checkpoint", "latest"), capture_output=True,
-                             text=True, env=_env(), timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = train_py(2, _arguments(tmp_path, moved, "--resume_from_checkpoint", "latest"), tmp_path / "resumed-logs")
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:]
     assert _losses(moved) == _losses(reference)
 
 
@@ -121,9 +121,8 @@ def test_an_output_dir_that_becomes_unwritable_stops_the_run_and_the_last_checkp
     assert "Operation not permitted" in stderr and "the previous checkpoint is kept" in stderr
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"] and not list(out.glob("*.partial"))
     verify_checkpoint(out / "checkpoint-2")
-    resumed = subprocess.run(_command(tmp_path, out, "--max_steps", str(UNWRITABLE_STEPS),
-                                      "--resume_from_checkpoint", "latest"),
-                             capture_output=True, text=True, env=_env(), timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoint-2'} after step 2" in resumed.stderr
+    resumed = train_py(2, _arguments(tmp_path, out, "--max_steps", str(UNWRITABLE_STEPS), "--resume_from_checkpoint",
+                                     "latest"), tmp_path / "resumed-logs")
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:]
+    assert f"resumed from {out / 'checkpoint-2'} after step 2" in resumed[0][1]
     assert sorted(_losses(out)) == list(range(1, UNWRITABLE_STEPS + 1))

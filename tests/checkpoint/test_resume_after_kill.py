@@ -4,8 +4,9 @@ same trajectory bitwise.
 Three runs of training_scripts/train.py (pp = 2, PipeDream-2BW, AdamW + Error Feedback, fp32, fixed
 seeds, save_steps 3; 2BW saves with microbatches in flight): one straight through; one whose rank 1
 is SIGKILLed in the middle of its second save (tests/faults.py), which must leave only a `.partial`
-directory that `latest` passes over; then the same command with `--resume_from_checkpoint latest`. The killed and resumed runs are
-torchrun launches; the straight one runs train.py's main on ranks of the suite's pool. Every
+directory that `latest` passes over; then the same arguments with `--resume_from_checkpoint latest`.
+The killed run is a torchrun launch (the kill, the launcher's report); the straight and resumed ones
+run train.py's main on ranks of the suite's pool. Every
 checkpoint that the killed run left marked complete verifies (sizes and checksums of all its files),
 and the resumed run's per-step losses (metrics.jsonl, including the steps logged before the kill)
 and exported weights equal the straight run's exactly.
@@ -82,8 +83,8 @@ def test_a_rank_killed_inside_a_save_resumes_from_the_checkpoint_before_bitwise(
         assert all(hashlib.sha256((checkpoint / name).read_bytes()).hexdigest() == entry["sha256"]
                    for name, entry in manifest.items()), checkpoint
 
-    subprocess.run(_command(tmp_path, killed, "--resume_from_checkpoint", "latest"), check=True, env=_env(),
-                   capture_output=True, timeout=600)
+    resumed = train_py(2, _arguments(tmp_path, killed, "--resume_from_checkpoint", "latest"), tmp_path / "resumed-logs")
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:]
     assert _losses(killed) == _losses(straight)
     assert len(_losses(straight)) == STEPS
     expected, resumed = load_file(straight / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")

@@ -1,8 +1,8 @@
-"""End to end through training_scripts/train.py under torchrun: a streamed, shuffled jsonl corpus,
-a run stopped by SIGTERM at a known step (tests/faults.py) and continued with `resume_from_checkpoint:
-latest` logs bitwise the losses of the run that was never stopped (train.py's main on two ranks of the
-suite's pool), and it continued the stream from the checkpoint's saved positions (one per dp rank)
-rather than replaying it.
+"""End to end through training_scripts/train.py: a streamed, shuffled jsonl corpus, a run under
+torchrun stopped by SIGTERM at a known step (tests/faults.py) and continued with
+`resume_from_checkpoint: latest` logs bitwise the losses of the run that was never stopped, and it
+continued the stream from the checkpoint's saved positions (one per dp rank) rather than replaying
+it. The uninterrupted and the continued runs are train.py's main on two ranks of the suite's pool.
 
 Two layouts: PipeDream-2BW at pp 2 (its loop asks for step k+1's rows before step k's, and the
 checkpoint has step k+1's microbatches in flight) and 1F1B at dp 2 (two positions, one per dp rank,
@@ -75,9 +75,9 @@ def test_a_stopped_streamed_run_resumed_from_latest_logs_the_uninterrupted_losse
     dp_size = 2 // pp_size
     assert [(p["dp_rank"], p["step"]) for p in positions] == [(d, at) for d in range(dp_size)]
 
-    resumed = subprocess.run(_command(tmp_path, stopped, schedule, pp_size), env=_env(), capture_output=True,
-                             text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"resumed from {stopped / f'checkpoint-{at}'}" in resumed.stderr
-    assert "read again" not in resumed.stderr and "replay" not in resumed.stderr  # no replay
+    resumed = train_py(2, _arguments(tmp_path, stopped, schedule, pp_size), tmp_path / "resumed-logs")
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:]
+    logs = "".join(log for _, log in resumed)
+    assert f"resumed from {stopped / f'checkpoint-{at}'}" in logs
+    assert "read again" not in logs and "replay" not in logs  # no replay
     assert _losses(stopped) == _losses(straight) and len(_losses(straight)) == STEPS
