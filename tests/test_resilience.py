@@ -301,18 +301,21 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_and_the_same_command_continu
 def test_sigterm_to_the_one_process_emulator_checkpoints_and_the_same_command_continues_bitwise(uninterrupted):
     """`python train.py` (no launcher) emulates the 2BW pipeline at depth 2 in one process; preempted,
     it saves its kept weight versions at the step boundary, and the rerun equals an emulated run that
-    was never interrupted (the emulator's own reference: it agrees with the pipeline only to rounding)."""
+    was never interrupted (the emulator's own reference: it agrees with the pipeline only to rounding;
+    run as train.py's main on one rank of the suite's pool, which counts as launched, so it asks for
+    the emulation that `python train.py` chooses by itself)."""
     tmp_path, _ = uninterrupted
     straight, out = tmp_path / "emulated", tmp_path / "emulated-preempted"
-    ran = subprocess.run([sys.executable, *_long_command(tmp_path, straight)], env=_env(), capture_output=True,
-                         text=True, timeout=600)
-    assert ran.returncode == 0 and "emulating pipedream-2bw at depth 2" in ran.stderr, ran.stderr[-3000:]
+    arguments = [*_long_arguments(tmp_path, straight), "--pp_size", "1", "--emulate_pp_size", "2"]
+    ran = train_py(1, arguments, tmp_path / "emulated-logs")
+    assert [code for code, _ in ran] == [0], ran[0][1][-3000:]
     command = [sys.executable, *_long_command(tmp_path, out)]
     process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: _logged_steps(out) >= 4, process)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output[-3000:]
+    assert "one process (no launcher): emulating pipedream-2bw at depth 2" in output
     stopped = int(re.search(r"stopped after step (\d+) on SIGTERM", output).group(1))
     assert 4 <= stopped < LONG and (out / f"checkpoint-{stopped}").is_dir() and not (out / "final").exists()
 
