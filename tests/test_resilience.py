@@ -306,7 +306,7 @@ def test_sigterm_to_the_one_process_emulator_checkpoints_and_the_same_command_co
     the emulation that `python train.py` chooses by itself)."""
     tmp_path, _ = uninterrupted
     straight, out = tmp_path / "emulated", tmp_path / "emulated-preempted"
-    arguments = [*_long_arguments(tmp_path, straight), "--pp_size", "1", "--emulate_pp_size", "2"]
+    arguments = [*_long_arguments(tmp_path, straight), "--pp_size", "1", "--emulate_pp_size", "2"]  # the last --pp_size wins
     ran = train_py(1, arguments, tmp_path / "emulated-logs")
     assert [code for code, _ in ran] == [0], ran[0][1][-3000:]
     command = [sys.executable, *_long_command(tmp_path, out)]

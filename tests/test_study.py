@@ -151,7 +151,6 @@ def test_a_study_stopped_by_a_signal_stops_its_arm_at_a_checkpoint_that_the_reru
     import os
     import signal
     import threading
-    import time
 
     from hf_asyncpp.study import StudyStopped, load_study, runner
     from hf_asyncpp.study.grid import Arm

@@ -83,8 +83,8 @@ def test_a_rank_killed_inside_a_save_resumes_from_the_checkpoint_before_bitwise(
         assert all(hashlib.sha256((checkpoint / name).read_bytes()).hexdigest() == entry["sha256"]
                    for name, entry in manifest.items()), checkpoint
 
-    resumed = train_py(2, _arguments(tmp_path, killed, "--resume_from_checkpoint", "latest"), tmp_path / "resumed-logs")
-    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:]
+    continued = train_py(2, _arguments(tmp_path, killed, "--resume_from_checkpoint", "latest"), tmp_path / "resumed-logs")
+    assert [code for code, _ in continued] == [0, 0], continued[0][1][-3000:]
     assert _losses(killed) == _losses(straight)
     assert len(_losses(straight)) == STEPS
     expected, resumed = load_file(straight / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
