@@ -65,7 +65,7 @@ class PipelineEngine:
         self.stage_ids = list(range(n_stages)) if emulating else self.spec.stage_indices(layout.pp_size, layout.pp_rank)
         # FSDP2 over dp (parallel/fsdp.py): parameters, gradients, optimizer state, weight versions
         # and EF buffers hold 1/dp each. At dp 1 it still provides the bf16 compute policy.
-        dtype = None if emulating else compute_dtype(config.mixed_precision, layout.device)
+        dtype = None if emulating else compute_dtype(config.mixed_precision, layout.device, config.fsdp)
         reduce = reduce_dtype(config.grad_reduce_dtype, dtype)
         self.fsdp_managed = config.fsdp and not emulating and (layout.dp_size > 1 or dtype is not None)
         if model is None and (not config.init_from or has_safetensors(config.init_from)):

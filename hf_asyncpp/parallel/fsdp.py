@@ -31,10 +31,12 @@ __all__ = ["compute_dtype", "fully_shard_stage", "gather_whole", "keeps_fp32", "
 _DTYPES = {"no": None, "bf16": torch.bfloat16}
 
 
-def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype forward/backward run in (None: the parameters' fp32). `auto`: bf16 on GPUs."""
+def compute_dtype(mixed_precision: str, device: torch.device, fsdp: bool) -> torch.dtype | None:
+    """The dtype forward/backward run in (None: the parameters' fp32). `auto`: bf16 on GPUs under FSDP2,
+    which applies it to synchronous stages; without FSDP2 every stage, versioned or not, stays fp32, so
+    synchronous and asynchronous runs differ in delay only (config checks refuse bf16 without FSDP2)."""
     if mixed_precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
+        return torch.bfloat16 if device.type == "cuda" and fsdp else None
     return _DTYPES[mixed_precision]
 
 

@@ -182,6 +182,22 @@ def _bf16_vs_fp32(rank, world_size, pp_size, schedule):
         shutdown_parallel()
 
 
+@pytest.mark.parametrize("mixed_precision, device, fsdp, expected", [
+    ("auto", "cuda", True, "bfloat16"), ("auto", "cuda", False, None), ("auto", "cpu", True, None),
+    ("bf16", "cpu", True, "bfloat16"), ("no", "cuda", True, None),
+])
+def test_auto_precision_is_bf16_only_on_gpus_under_fsdp_for_every_kind_of_stage(mixed_precision, device, fsdp,
+                                                                                  expected):
+    """One decision for synchronous stages (FSDP2's policy) and versioned ones (their compute copies): with
+    `fsdp: false` neither casts, so sync-vs-async comparisons measure the delay, not the precision."""
+    import torch
+
+    from hf_asyncpp.parallel.fsdp import compute_dtype
+
+    dtype = compute_dtype(mixed_precision, torch.device(device), fsdp)
+    assert dtype == (getattr(torch, expected) if expected else None)
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("pp_size, schedule", [(1, "gpipe"), (2, "pipedream-2bw")])
 def test_bf16_compute_keeps_fp32_master_weights_and_tracks_the_fp32_run(pp_size, schedule):
