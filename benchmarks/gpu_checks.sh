@@ -3,7 +3,7 @@
 #   1. the machine and the versions it runs                                     -> versions.txt
 #   2. fp32 gradient accumulation under bf16 compute (gpu_bf16_accumulation.py) -> gpu_bf16_accumulation.json
 #   3. the engine on the GPU: PipeDream-2BW emulated at depth 2 with Muon and Error Feedback on the tiny
-#      MoE, bf16 compute, 30 steps (train.py on one process)                    -> smoke_metrics.jsonl
+#      MoE, 30 steps (train.py on one process; the emulator computes in fp32)  -> smoke_metrics.jsonl
 #   4. one moe_2b stage: tokens/s and MFU per expert kernel, activation checkpointing and compile on and
 #      off (gpu_stage.py; arms started within --max_minutes 5)                  -> gpu_stage.json
 # Each step's exit status goes to status.txt and everything printed to log.txt; a failing step does not

@@ -83,7 +83,7 @@ class TrainConfig:
     mixed_precision: str = _key("auto", "compute dtype of the stages: auto (bf16 on GPUs, fp32 on CPU), bf16 or no; "
                                 "master weights and optimizer state stay fp32")
     grad_reduce_dtype: str = _key("fp32", "dtype gradients are averaged over dp in: fp32, or compute (bf16 under "
-                                  "bf16 compute: half the bytes, one more rounding)")
+                                  "bf16 compute: half the bytes, one more rounding; asynchronous schedules)")
     activation_checkpointing: str = _key("none", "recompute activations in the backward: none, full (every decoder "
                                          "layer) or selective (each layer's MLP / MoE block)")
     compile_layers: bool = _key(False, "torch.compile each decoder layer (the pipeline stays eager)")

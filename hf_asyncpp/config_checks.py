@@ -191,6 +191,12 @@ def check_settings(config: TrainConfig, world_size: int):
         spec = get_schedule_spec(config.schedule)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    # FSDP2 sums a synchronous stage's microbatch gradients in the dtype it reduces them in (it keeps no
+    # fp32 accumulator when that equals the compute dtype): bf16 reduction would sum them in bf16 too.
+    _require(not (spec.synchronous and config.grad_reduce_dtype == "compute"),
+             f"grad_reduce_dtype compute applies to asynchronous schedules, whose stages sum a step's microbatch "
+             f"gradients in fp32 before reducing them; '{spec.name}' runs under FSDP2, which would sum them in "
+             "bf16 as well: use grad_reduce_dtype: fp32")
     _require(config.sync_steps >= 0, f"sync_steps must be >= 0, got {config.sync_steps}")
     _require(not (config.sync_steps and spec.synchronous),
              f"sync_steps makes the first steps of an asynchronous schedule synchronous; '{spec.name}' is "
@@ -227,6 +233,9 @@ def check_model_fits(config: TrainConfig, model_config) -> None:
         f"schedule '{spec.name}' makes stage s p-1-s updates stale, so on one process it needs the depth to "
         "emulate: set emulate_pp_size >= 2 (or run it on a pipeline, pp_size >= 2)",
     )
+    _require(not (emulating and config.mixed_precision == "bf16"),
+             f"the one-process emulator of '{spec.name}' computes in fp32 (its stages are not under FSDP2): set "
+             "mixed_precision to no, or run the schedule on a pipeline (pp_size >= 2) for bf16 compute")
     n_stages = spec.n_stages(depth)
     n_layers = model_config.num_hidden_layers
     _require(

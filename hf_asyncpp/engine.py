@@ -294,16 +294,18 @@ class PipelineEngine:
             self._review(*previous)
 
     @torch.no_grad()
-    def eval_step(self, rows: torch.Tensor) -> tuple[float, float, torch.Tensor | None]:
-        """(LM loss, aux loss) of a minibatch without updating anything, and the logits on the rank
-        that holds the last stage (None elsewhere). Asynchronous pipelines evaluate their newest
+    def eval_step(self, rows: torch.Tensor, return_logits: bool = False) -> tuple[float, float, torch.Tensor | None]:
+        """(LM loss, aux loss) of a minibatch without updating anything, and with `return_logits` the
+        logits on the rank that holds the last stage (None elsewhere; otherwise each microbatch's logits
+        are freed after its loss, as in training: a minibatch's rows × seq × vocab would sit beside the
+        model on the last stage's device). Asynchronous pipelines evaluate their newest
         weights (the masters, what an export holds) beside the microbatches in flight, which stay
         as they are: training continues exactly as without the evaluation."""
         rows = rows.to(self.layout.device)
         if self.emulated:
-            return self._eval_emulated(rows)
+            return self._eval_emulated(rows, return_logits)
         if not self.versioned:
-            return self._eval_through(self.schedule, self.loss_fn, rows)
+            return self._eval_through(self.schedule, self.loss_fn, rows, return_logits)
         if 0 < self.step_count < self.last_step and not self._units_end_at_step_boundaries():
             raise RuntimeError(f"{self.spec.name} straddles its updates across step boundaries: some stages have "
                                "applied the last minibatch and others not, so only the final weights can be evaluated")
@@ -318,7 +320,7 @@ class PipelineEngine:
         with contextlib.ExitStack() as masters:
             for versioned in self.versioned:
                 masters.enter_context(versioned.evaluating_master())
-            return self._eval_through(self._eval_schedule, self._eval_loss_fn, rows)
+            return self._eval_through(self._eval_schedule, self._eval_loss_fn, rows, return_logits)
 
     def _units_end_at_step_boundaries(self) -> bool:
         try:
@@ -328,12 +330,12 @@ class PipelineEngine:
         except ScheduleError:
             return False
 
-    def _eval_through(self, schedule, loss_fn: PipelineLoss, rows: torch.Tensor):
+    def _eval_through(self, schedule, loss_fn: PipelineLoss, rows: torch.Tensor, return_logits: bool):
         for module in self.modules:
             module.eval()
         try:
             args = (rows,) if self.holds_first_stage else ()
-            output = schedule.eval(*args, target=rows if self.holds_last_stage else None)
+            output = schedule.eval(*args, target=rows if self.holds_last_stage else None, return_outputs=return_logits)
         finally:
             for module in self.modules:
                 module.train()
@@ -341,19 +343,21 @@ class PipelineEngine:
         logits = output[0] if isinstance(output, tuple) else output
         return reduced.value("loss"), reduced.value("aux_loss"), logits
 
-    def _eval_emulated(self, rows: torch.Tensor):
+    def _eval_emulated(self, rows: torch.Tensor, return_logits: bool):
         for module in self.modules:
             module.eval()
+        kept = []
         try:
-            outputs = [self.emulated.forward(mb) for mb in rows.chunk(self.config.n_microbatches)]
-            for output, mb in zip(outputs, rows.chunk(self.config.n_microbatches)):
+            for mb in rows.chunk(self.config.n_microbatches):
+                output = self.emulated.forward(mb)
                 self.loss_fn(output, mb)
+                if return_logits:
+                    kept.append(output[0] if isinstance(output, tuple) else output)
         finally:
             for module in self.modules:
                 module.train()
         reduced = ReducedStepStats(self.loss_fn.take(self.config.n_microbatches), self.layout, len(self.plan))
-        logits = torch.cat([o[0] if isinstance(o, tuple) else o for o in outputs])
-        return reduced.value("loss"), reduced.value("aux_loss"), logits
+        return reduced.value("loss"), reduced.value("aux_loss"), torch.cat(kept) if kept else None
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds per kind of state (memory.py): parameters, gradients, weight

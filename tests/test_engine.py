@@ -183,3 +183,47 @@ def test_pp2_dp2_averages_gradients_over_data_parallel_replicas():
     """Also: replica 1 is handed other weights than replica 0 (its script seeded nothing); it starts
     from replica 0's, or its parameters would not match the reference."""
     _check(run_ranks(4, _worker, 2, ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"], ["1f1b", "zbv"]))
+
+
+def _eval_with_and_without_logits(rank, world_size, schedule, emulate):
+    import torch
+
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), world_size)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=world_size, schedule=schedule, seq_len=SEQ,
+                             micro_batch_size=MBS, n_microbatches=M, max_steps=2, emulate_pp_size=emulate)
+        engine = PipelineEngine(config, model_config, layout)
+        rows = torch.randint(0, model_config.vocab_size, (MBS * M, SEQ), generator=torch.Generator().manual_seed(3))
+        engine.train_step(rows, rows)  # an asynchronous pipeline starts the next step's minibatch too
+        loss, aux, dropped = engine.eval_step(rows)
+        kept_chunks = sum(len(stage.output_chunks) for stage in engine.stages)
+        if engine._eval_schedule is not None:
+            kept_chunks += sum(len(stage.output_chunks) for stage in engine._eval_schedule._stages)
+        with_logits = engine.eval_step(rows, return_logits=True)
+        engine.train_step(rows, None)
+        engine.finish()
+        return dict(loss=(loss, aux), dropped=dropped, kept_chunks=kept_chunks, with_logits=with_logits[:2],
+                    logits_shape=None if with_logits[2] is None else tuple(with_logits[2].shape),
+                    last=engine.holds_last_stage)
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size, schedule, emulate", [(2, "1f1b", 0), (2, "pipedream-2bw", 0),
+                                                             (1, "pipedream-2bw", 2)])
+def test_an_evaluation_keeps_no_logits_unless_asked_and_its_loss_is_the_same(world_size, schedule, emulate):
+    """An evaluation frees each microbatch's logits after its loss (a minibatch's rows × seq × vocab on the
+    last stage's device would sit beside the model); asked for, the logits come back from the last stage,
+    and the loss is the same either way."""
+    for report in run_ranks(world_size, _eval_with_and_without_logits, schedule, emulate):
+        assert report["dropped"] is None and report["kept_chunks"] == 0, report
+        assert report["loss"] == report["with_logits"], report
+        expected = (MBS * M, SEQ, small_model_config("tiny-qwen3-moe").vocab_size) if report["last"] else None
+        assert report["logits_shape"] == expected, report

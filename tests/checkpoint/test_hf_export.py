@@ -45,12 +45,12 @@ def _train_export_and_reload(rank, world_size, out_root):
             for _ in range(3):
                 engine.train_step(torch.randint(0, model_config.vocab_size, (8, 16), generator=gen))
             probe = torch.randint(0, model_config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(PROBE_SEED))
-            _, _, trained = engine.eval_step(probe)
+            _, _, trained = engine.eval_step(probe, return_logits=True)
             out_dir = f"{out_root}/{preset}"
             export_hf_model(engine.stage_state_dict(), layout, model_config, load_tokenizer("builtin"), out_dir,
                             "5GB" if i % 2 else "100KB")
             config.init_from = out_dir
-            _, _, reloaded = PipelineEngine(config, model_config, layout).eval_step(probe)
+            _, _, reloaded = PipelineEngine(config, model_config, layout).eval_step(probe, return_logits=True)
             if trained is not None:
                 results[preset] = (trained.tolist(), reloaded.tolist())
         return results

@@ -168,15 +168,17 @@ def _bf16_vs_fp32(rank, world_size, pp_size, schedule):
     try:
         reference, ref_losses, _ = _train(layout, "tiny-qwen3-moe", schedule, "adamw", fsdp=True)
         report = {}
-        for reduce in ("fp32", "compute"):
+        # A synchronous stage under FSDP2 would sum its microbatch gradients in bf16 with "compute" (refused).
+        for reduce in ("fp32",) if schedule == "gpipe" else ("fp32", "compute"):
             state, losses, _ = _train(layout, "tiny-qwen3-moe", schedule, "adamw", fsdp=True, mixed_precision="bf16",
                                       grad_reduce_dtype=reduce)
             report[reduce] = dict(
                 loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
                 param_diff=max((state[n] - reference[n]).abs().max().item() for n in reference),
                 master_dtypes={str(t.dtype) for t in state.values()}, state=state)
-        fp32_reduced, bf16_reduced = (report[r].pop("state") for r in ("fp32", "compute"))
-        report["compute"]["differs"] = any(not torch.equal(fp32_reduced[n], bf16_reduced[n]) for n in fp32_reduced)
+        states = {reduce: row.pop("state") for reduce, row in report.items()}
+        if "compute" in report:
+            report["compute"]["differs"] = any(not torch.equal(states["fp32"][n], states["compute"][n]) for n in states["fp32"])
         return report
     finally:
         shutdown_parallel()
@@ -205,14 +207,14 @@ def test_bf16_compute_keeps_fp32_master_weights_and_tracks_the_fp32_run(pp_size,
     versions) on 2 dp replicas: the master weights stay fp32, and 5 AdamW steps stay close to the fp32
     run. bf16 keeps 8 mantissa bits, so a loss of ~5 differs by a few 1e-2 and an AdamW step (~lr per
     entry, sign-like) can flip where a gradient entry is near 0: bounds 0.05 (loss) and 5·2·lr (weights).
-    The same holds with gradients averaged over dp in bf16 (grad_reduce_dtype: compute), which really
-    changes the result (one more bf16 rounding of each replica's sum)."""
+    The same holds for the asynchronous stage with gradients averaged over dp in bf16 (grad_reduce_dtype:
+    compute), which really changes the result (one more bf16 rounding of each replica's sum)."""
     for report in run_ranks(2 * pp_size, _bf16_vs_fp32, pp_size, schedule):
         for row in report.values():
             assert row["master_dtypes"] == {"torch.float32"}, row
             assert 0 < row["loss_diff"] < 0.05, row  # > 0: the compute really ran in bf16
             assert row["param_diff"] < STEPS * 2 * LR["adamw"], row
-        assert report["compute"]["differs"], report
+        assert schedule == "gpipe" or report["compute"]["differs"], report
 
 
 def _dtypes_seen_in_forward(rank, world_size, pp_size, schedule):
