@@ -117,7 +117,8 @@ class PipelineEngine:
             for submod, s in zip(self.versioned or self.modules, self.stage_ids)
         ]
         # Each pair of neighbouring ranks talks on its own group (its own NCCL stream): mesh.link_groups.
-        links = link_groups(layout, self.spec.rank_pairs(layout.pp_size)) if self.stages else None
+        links = (link_groups(layout, self.spec.rank_pairs(layout.pp_size), asynchronous=order is not None)
+                 if self.stages else None)
         self.timer = ComputeTimer(self.stages)
         timed_loss = self.timer.timed(self.loss_fn)
         self.emulated = EmulatedPipeline(self.modules, self.stage_ids, order, depth, m, self.updaters,

@@ -3,7 +3,8 @@
 Rank r sits at pp_rank = r // dp, dp_rank = r % dp: the ranks of one pipeline are dp apart, the
 replicas of one stage are neighbours (on GPUs, data-parallel traffic stays inside a node).
 Backend: gloo on CPU, nccl on CUDA. Training's messages and collectives time out after
-comm_timeout_s (a dead or stalled peer), on every group made here; waits on another rank's I/O go
+comm_timeout_s (a dead or stalled peer), on every group made here (under NCCL, an asynchronous
+pipeline's messages between neighbours after IO_TIMEOUT: `link_timeout`); waits on another rank's I/O go
 through `io_group`, whose timeout is IO_TIMEOUT. The start (the rendezvous and the default group)
 waits up to STARTUP_TIMEOUT for the other ranks, whatever comm_timeout_s says: ranks start at
 different times (imports from a shared filesystem, CUDA initialisation, a loaded machine), and a
@@ -24,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .launch import LaunchInfo
 
 __all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free_port", "init_parallel", "link_groups",
-           "mesh_coordinates", "shutdown_parallel"]
+           "link_timeout", "mesh_coordinates", "shutdown_parallel"]
 
 IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
 STARTUP_TIMEOUT = timedelta(minutes=15)  # as long as torchrun waits for a node to join its rendezvous
@@ -143,7 +144,18 @@ def _bound_collectives(groups, timeout: timedelta) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]]) -> dict[int, dist.ProcessGroup]:
+def link_timeout(device: torch.device, comm_timeout: timedelta, asynchronous: bool) -> timedelta:
+    """How long a message between pipeline neighbours may stay unreceived. gloo times a message from
+    when it is waited on; NCCL's watchdog times it from when it is posted. An asynchronous pipeline's
+    last sends of a step are received in the next step, after whatever evaluation or checkpoint runs
+    between them, so under NCCL they may wait as long as I/O does. The price: a peer that stalls (a
+    dead one ends the launch at once) is noticed by a collective queued behind its messages after
+    comm_timeout_s where a rank reaches one, else only after IO_TIMEOUT."""
+    return max(comm_timeout, IO_TIMEOUT) if device.type == "cuda" and asynchronous else comm_timeout
+
+
+def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]],
+                asynchronous: bool = False) -> dict[int, dist.ProcessGroup]:
     """A two-rank process group for each pair of pipeline ranks in `rank_pairs` (pp ranks, every
     replica): peer's global rank → the group this rank's messages with it go on. Call on every rank.
 
@@ -158,7 +170,7 @@ def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]]) -> di
     for a, b in rank_pairs:  # the same order on every rank: each new_group involves all of them
         for d in range(layout.dp_size):
             ranks = [a * layout.dp_size + d, b * layout.dp_size + d]
-            group = dist.new_group(ranks, timeout=layout.timeout)
+            group = dist.new_group(ranks, timeout=link_timeout(layout.device, layout.timeout, asynchronous))
             if layout.rank in ranks:
                 links[ranks[1] if ranks[0] == layout.rank else ranks[0]] = group
     if layout.device.type == "cuda":

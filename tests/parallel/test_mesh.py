@@ -121,3 +121,23 @@ def test_torch_private_set_pg_timeout_bounds_the_collectives_of_a_gloo_group_mad
     outputs = [process.communicate(timeout=120)[0] for process in ranks]
     outcome, seconds = outputs[0].split()
     assert outcome == "failed" and 1.5 < float(seconds) < 6, outputs[0]
+
+
+@pytest.mark.parametrize("device, asynchronous, expected", [
+    ("cuda", True, "io"), ("cuda", False, "comm"), ("cpu", True, "comm"), ("cpu", False, "comm"),
+])
+def test_an_asynchronous_pipelines_nccl_messages_may_wait_across_an_evaluation_or_checkpoint(device, asynchronous,
+                                                                                           expected):
+    """NCCL's watchdog times a message from its posting, and an asynchronous pipeline's last sends of a
+    step wait for the next step, past any evaluation or checkpoint between them: under NCCL its links
+    wait as long as I/O may (IO_TIMEOUT). gloo times the wait itself, and a synchronous pipeline's
+    messages are all received within their step: comm_timeout_s."""
+    from datetime import timedelta
+
+    import torch
+
+    from hf_asyncpp.parallel.mesh import IO_TIMEOUT, link_timeout
+
+    comm = timedelta(seconds=600)
+    assert link_timeout(torch.device(device), comm, asynchronous) == (IO_TIMEOUT if expected == "io" else comm)
+    assert link_timeout(torch.device(device), IO_TIMEOUT * 2, asynchronous) == IO_TIMEOUT * 2  # never shorter
