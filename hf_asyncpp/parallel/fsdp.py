@@ -67,7 +67,12 @@ def fully_shard_stage(stage: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype 
                 if name and any(keeps_fp32(p, stage.fp32_patterns) for p in params):
                     fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=fp32_policy)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    # The stage's own inputs are not cast: token ids, activations already in the compute dtype, and the
+    # fp32 router statistics carried from stage to stage, which bf16 would round (counts above 256) where
+    # a versioned stage keeps them exact. Each decoder layer's unit still casts what enters it.
+    root_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce if dtype else None,
+                                       cast_forward_inputs=False)
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=root_policy)
     return stage
 
 

@@ -257,6 +257,42 @@ def test_under_bf16_deepseek_v3_routers_still_compute_in_fp32(pp_size, schedule)
         assert seen == {"router": {"torch.float32"}, "attention": {"torch.bfloat16"}}, seen
 
 
+def _router_stats_dtype_entering_stages(rank, world_size, schedule):
+    import torch
+
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), 2)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=2, schedule=schedule, seq_len=SEQ, micro_batch_size=MBS,
+                             n_microbatches=M, max_steps=1, mixed_precision="bf16")
+        engine = PipelineEngine(config, model_config, layout)
+        seen = set()
+        for module in engine.modules:  # after FSDP2's own pre-forward hook, which casts the inputs it casts
+            module.register_forward_pre_hook(
+                lambda m, args: seen.update(str(a.dtype) for a in args[1:] if isinstance(a, torch.Tensor)))
+        rows = torch.randint(0, model_config.vocab_size, (MBS * M, SEQ))
+        engine.train_step(rows)
+        engine.finish()
+        return seen
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream-2bw"])
+def test_under_bf16_the_router_statistics_cross_stages_in_fp32(schedule):
+    """The expert counts and probabilities a stage hands to the next (for the exact load-balancing loss)
+    stay fp32 under bf16 compute, in a synchronous stage under FSDP2 as in a versioned one: bf16 would
+    round counts above 256, and sync and async runs would differ in more than the delay."""
+    seen = run_ranks(4, _router_stats_dtype_entering_stages, schedule)
+    assert set().union(*seen) == {"torch.float32"}, seen
+
+
 def _gathered_vs_full_tensor(rank, world_size):
     import torch
     import torch.distributed as dist
