@@ -55,7 +55,7 @@ def gather_full_state_dict(stage_state: dict[str, torch.Tensor], layout) -> dict
     if layout.dp_rank != 0:
         return None
     parts = [None] * layout.pp_size if layout.rank == 0 else None
-    dist.gather_object(stage_state, parts, group=layout.pp_group, group_dst=0)
+    dist.gather_object(stage_state, parts, group=layout.io_pp_group, group_dst=0)
     if parts is None:
         return None
     full: dict[str, torch.Tensor] = {}
@@ -145,21 +145,21 @@ def _write_stage_files(stage_state, layout, model_config, staging: Path, max_sha
     disk = on_disk_state(stage_state, model, dtype)
     plan = split_torch_state_dict_into_shards(disk, max_shard_size=max_shard_size)
     parts = [None] * layout.pp_size
-    dist.all_gather_object(parts, (sorted(disk), tensor_bytes(disk), len(plan.filename_to_tensors)), group=layout.pp_group)
+    dist.all_gather_object(parts, (sorted(disk), tensor_bytes(disk), len(plan.filename_to_tensors)), group=layout.io_pp_group)
     problem = coverage_problem(model, {k for keys, _, _ in parts for k in keys})
     if problem:
         return problem
     total = sum(size for _, size, _ in parts)
     if total <= size_limit(max_shard_size):
         gathered = [None] * layout.pp_size if layout.rank == 0 else None
-        dist.gather_object(disk, gathered, group=layout.pp_group, group_dst=0)
+        dist.gather_object(disk, gathered, group=layout.io_pp_group, group_dst=0)
         if layout.rank == 0:
             write_one_file({k: v for part in gathered for k, v in part.items()}, staging)
         return None
     first = sum(n for _, _, n in parts[:layout.pp_rank])
     weight_map = write_shards(disk, first, sum(n for _, _, n in parts), staging, plan)
     maps = [None] * layout.pp_size if layout.rank == 0 else None
-    dist.gather_object(weight_map, maps, group=layout.pp_group, group_dst=0)
+    dist.gather_object(weight_map, maps, group=layout.io_pp_group, group_dst=0)
     if layout.rank == 0:
         write_index(staging, total, {k: v for m in maps for k, v in m.items()})
     return None

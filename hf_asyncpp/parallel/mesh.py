@@ -51,6 +51,9 @@ class ParallelLayout:
     # And a third time: asynchronous stages all-reduce their gradient norms (global clipping) while
     # P2P messages are in flight; on the pipeline's group they would queue in NCCL's order among them.
     norm_pp_group: object = None
+    # And on gloo with the I/O timeout: weights gathered as Python objects for an export (NCCL would
+    # stage them in GPU memory, pp times the largest on the gathering rank) around the stages' writes.
+    io_pp_group: object = None
     # How long a collective or message waits for a peer (comm_timeout_s) in the groups made here.
     timeout: timedelta = timedelta(minutes=10)
 
@@ -118,6 +121,7 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         for group in (mesh.get_group("pp"), eval_pp_group, norm_pp_group):
             dist.barrier(group=group)
     io_group = dist.new_group(backend="gloo", timeout=max(IO_TIMEOUT, timeout))
+    io_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=max(IO_TIMEOUT, timeout), backend="gloo")
     # Set up: from now on a peer that does not answer within comm_timeout_s is dead or stalled. (The
     # default group was made with the start-up timeout, the mesh's with torch's default; they carry
     # collectives only, which take the timeout set now.)
@@ -134,6 +138,7 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         io_group=io_group,
         eval_pp_group=eval_pp_group,
         norm_pp_group=norm_pp_group,
+        io_pp_group=io_pp_group,
         timeout=timeout,
     )
 

@@ -158,3 +158,47 @@ def test_export_refuses_a_state_that_does_not_cover_the_model(tmp_path):
     (message,) = run_ranks(1, _export_without_lm_head, str(tmp_path / "final"))
     assert "missing ['lm_head.weight']" in message
     assert not (tmp_path / "final").exists() and not (tmp_path / "final.partial").exists()
+
+
+def _groups_of_the_exports_object_collectives(rank, world_size, out_root):
+    import torch.distributed as dist
+
+    from hf_asyncpp.checkpoint import export_hf_model
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.data import load_tokenizer
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+    from tests.test_engine import small_model_config
+
+    layout = init_parallel(read_launch(), world_size)
+    used, originals = [], {name: getattr(dist, name) for name in ("gather_object", "all_gather_object")}
+    try:
+        config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=world_size, schedule="1f1b", seq_len=16,
+                             micro_batch_size=2, n_microbatches=4)
+        model_config = small_model_config("tiny-qwen3-moe")
+        engine = PipelineEngine(config, model_config, layout)
+        for name, original in originals.items():
+            def spy(*args, original=original, **kwargs):
+                used.append(kwargs.get("group"))
+                return original(*args, **kwargs)
+            setattr(dist, name, spy)
+        for max_shard_size in ("5GB", "100KB"):  # one file gathered on rank 0; per-stage shards and an index
+            export_hf_model(engine.stage_state_dict(), layout, model_config, load_tokenizer("builtin"),
+                            f"{out_root}/{max_shard_size}", max_shard_size)
+        io_groups = {id(layout.io_group), id(layout.io_pp_group)}
+        return dict(n=len(used), on_io_groups=all(id(g) in io_groups for g in used),
+                    backends={dist.get_backend(g) for g in used})
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_the_export_gathers_weights_on_gloo_groups_that_wait_as_long_as_io(tmp_path):
+    """The weights an export gathers as Python objects go over gloo groups with the I/O timeout: on
+    NCCL they would be staged in GPU memory (pp times the largest stage on rank 0, beside the training
+    state), and the stages' waits for each other's writes would count against comm_timeout_s."""
+    for report in run_ranks(2, _groups_of_the_exports_object_collectives, str(tmp_path)):
+        assert report["n"] >= 3 and report["on_io_groups"] and report["backends"] == {"gloo"}, report
