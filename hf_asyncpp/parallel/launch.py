@@ -87,12 +87,25 @@ def _accelerate_requested_processes(cmdline: list[str]) -> int | None:
         return None
 
 
+def _check_local_gpus(local_processes: int) -> None:
+    """On a machine with GPUs each process of a node takes the GPU of its LOCAL_RANK (parallel/mesh.py)."""
+    import torch
+
+    if torch.cuda.is_available() and local_processes > torch.cuda.device_count():
+        raise LaunchError(f"this node runs {local_processes} processes but has {torch.cuda.device_count()} GPU(s) "
+                          "visible (CUDA_VISIBLE_DEVICES), one per process: launch at most that many processes per "
+                          "node, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU with gloo.")
+
+
 def read_launch() -> LaunchInfo:
     env = os.environ
     mixed_precision = _accelerate_settings(env)
     if "WORLD_SIZE" in env and "RANK" in env:
-        return LaunchInfo(int(env["WORLD_SIZE"]), int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), True,
-                          mixed_precision)
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        # torchrun and accelerate say how many processes this node runs: every one of them, rank 0 too,
+        # then refuses a node with too few GPUs (one error line, from rank 0).
+        _check_local_gpus(int(env.get("LOCAL_WORLD_SIZE", local_rank + 1)))
+        return LaunchInfo(int(env["WORLD_SIZE"]), int(env["RANK"]), local_rank, True, mixed_precision)
     if env.get("ACCELERATE_USE_CPU", "").lower() == "true" or "ACCELERATE_DYNAMO_BACKEND" in env:
         requested = _accelerate_requested_processes(_parent_cmdline())
         if requested and requested > 1:

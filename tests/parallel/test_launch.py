@@ -59,6 +59,30 @@ def test_the_launch_is_read_from_the_environment(monkeypatch):
         read_launch()
 
 
+def test_more_processes_on_a_node_than_it_has_gpus_is_one_error_before_any_process_group(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Each process of a node takes the GPU of its LOCAL_RANK: a node launching more processes than it
+    has GPUs says so on every rank (rank 0 prints it), instead of CUDA's "invalid device ordinal" on
+    some ranks from inside the process group's start while the others wait."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    assert main(["--config", TINY, "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "this node runs 2 processes but has 1 GPU(s) visible" in err, err
+    assert not dist.is_initialized() and not out.exists()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process per GPU
+    assert read_launch().local_rank == 0
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launcher that does not say: the process's own LOCAL_RANK
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(LaunchError, match="runs 2 processes but has 1 GPU"):
+        read_launch()
+
+
 @pytest.mark.multirank
 def test_under_accelerate_launch_a_contradicted_mixed_precision_stops_both_ranks_with_one_line(tmp_path):
     """accelerate launch's own --mixed_precision (as its config's key would) reaches the ranks; the
