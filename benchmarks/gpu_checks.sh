@@ -4,8 +4,10 @@
 #   2. fp32 gradient accumulation under bf16 compute (gpu_bf16_accumulation.py) -> gpu_bf16_accumulation.json
 #   3. the engine on the GPU: PipeDream-2BW emulated at depth 2 with Muon and Error Feedback on the tiny
 #      MoE, 30 steps (train.py on one process; the emulator computes in fp32)  -> smoke_metrics.jsonl
-#   4. one moe_2b stage: tokens/s and MFU per expert kernel, activation checkpointing and compile on and
-#      off (gpu_stage.py; arms started within --max_minutes 5)                  -> gpu_stage.json
+#   4. a synchronous stage on the GPU: GPipe at pp 1 under FSDP2's bf16 policy, 20 steps; its
+#      idle_fraction_per_rank is timed with CUDA events (metrics.ComputeTimer)  -> sync_bf16_metrics.jsonl
+#   5. one moe_2b stage: tokens/s and MFU per expert kernel, activation checkpointing and compile on and
+#      off (gpu_stage.py; arms started within --max_minutes 4)                  -> gpu_stage.json
 # Each step's exit status goes to status.txt and everything printed to log.txt; a failing step does not
 # stop the others. The study sized for one GPU is a separate run of about 8 minutes:
 # `hf-asyncpp study training_scripts/studies/gpu_single.yaml`.
@@ -71,6 +73,11 @@ step smoke 180 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tin
   --schedule pipedream-2bw --emulate_pp_size 2 --optimizer muon --learning_rate 0.02 --ef True --max_steps 30 \
   --logging_steps 5 --eval_steps 0 --save_final False --report_to none --output_dir "$smoke"
 cp "$smoke/metrics.jsonl" "$results/smoke_metrics.jsonl" 2>/dev/null
-step gpu_stage 420 "$PYTHON" benchmarks/gpu_stage.py --max_minutes 5 --out "$results/gpu_stage.json"
+sync=$(mktemp -d)
+step sync_bf16 90 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
+  --schedule gpipe --mixed_precision bf16 --max_steps 20 --logging_steps 5 --eval_steps 0 --save_final False \
+  --report_to none --output_dir "$sync"
+cp "$sync/metrics.jsonl" "$results/sync_bf16_metrics.jsonl" 2>/dev/null
+step gpu_stage 360 "$PYTHON" benchmarks/gpu_stage.py --max_minutes 4 --out "$results/gpu_stage.json"
 cat "$results/status.txt"
 ! grep -qv " 0$" "$results/status.txt"

@@ -119,7 +119,7 @@ class PipelineEngine:
         # Each pair of neighbouring ranks talks on its own group (its own NCCL stream): mesh.link_groups.
         links = (link_groups(layout, self.spec.rank_pairs(layout.pp_size), asynchronous=order is not None)
                  if self.stages else None)
-        self.timer = ComputeTimer(self.stages)
+        self.timer = ComputeTimer(self.stages, layout.device)
         timed_loss = self.timer.timed(self.loss_fn)
         self.emulated = EmulatedPipeline(self.modules, self.stage_ids, order, depth, m, self.updaters,
                                          self.updates.apply_together, config.router_bias_update_rate,

@@ -17,22 +17,41 @@ _COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_
 
 
 class ComputeTimer:
-    """Wall time this rank spends inside stage compute (forward, backward, weight-backward, and
-    the loss, which torch's schedule evaluates outside the stage's forward).
+    """Time this rank spends inside stage compute (forward, backward, weight-backward, and the loss,
+    which torch's schedule evaluates outside the stage's forward).
 
     idle fraction = 1 − busy / step time: waiting for activations or gradients (the bubble),
     communication that is not overlapped, and the step's tail (gradient sync, optimizer step).
+    On CPU a compute call's wall time is its work. On a GPU the call only launches kernels, so its time
+    is taken between CUDA events recorded around it on the compute stream (a receive's wait is queued
+    before the start event) and read at `take`, after the step's end has waited for the stream.
     """
 
-    def __init__(self, stages):
+    def __init__(self, stages, device=None):
         self.busy_s = 0.0
+        self._on_gpu = device is not None and device.type == "cuda"
+        self._events: list = []  # (start, end) per compute call since the last take, on a GPU
         for stage in stages:
             for name in _COMPUTE_METHODS:
                 if hasattr(stage, name):
                     setattr(stage, name, self.timed(getattr(stage, name)))
 
     def timed(self, method):
-        """`method`, with its wall time added to busy time."""
+        """`method`, with its time added to busy time."""
+        if self._on_gpu:
+            import torch
+
+            def timed_on_gpu(*args, **kwargs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    end.record()
+                    self._events.append((start, end))
+
+            return timed_on_gpu
+
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
@@ -43,6 +62,10 @@ class ComputeTimer:
         return timed
 
     def take(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()  # one stream: every earlier event has completed too
+            self.busy_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events = []
         busy, self.busy_s = self.busy_s, 0.0
         return busy
 
