@@ -71,11 +71,17 @@ def check_arms(study: Study, arms: list[Arm]) -> None:
     from ..config import ConfigError
     from ..config_checks import validate_config
 
+    import torch
+
     for arm in arms:
         try:
             config = _config(study, arm)
             if config.eval_fraction <= 0 and config.eval_dataset is None:
                 raise ConfigError("the study compares validation losses: set eval_fraction or eval_dataset in base")
+            if study.launch == "emulator" and config.mixed_precision != "no" and torch.cuda.is_available():
+                raise ConfigError("emulated arms compute in fp32, a synchronous arm on this GPU in bf16 (mixed_precision "
+                                  f"{config.mixed_precision}): set mixed_precision: \"no\" in base, so that the gaps "
+                                  "measure the delay alone")
             validate_config(config, arm.depth if study.launch == "pipeline" else 1)
         except ConfigError as err:
             raise StudyError(f"arm {arm.name}: {err}") from None

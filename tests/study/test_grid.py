@@ -258,6 +258,22 @@ def test_a_sync_start_arm_validates_as_the_runner_runs_it(tmp_path):
         check_arms(late, late.arms(late.first_learning_rates()))
 
 
+def test_on_a_gpu_an_emulated_study_runs_every_arm_in_fp32(tmp_path, monkeypatch):
+    """Emulated arms compute in fp32; a synchronous arm on a GPU would compute in bf16 (auto), so the
+    gaps would hold precision as well as delay: such a study is refused until it asks for fp32."""
+    import torch
+
+    from hf_asyncpp.study.runner import check_arms
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    study = _study(tmp_path, optimizers={"adamw": [1.0e-3]}, momentum=[0.9], seeds=[0])
+    with pytest.raises(StudyError, match="set mixed_precision: \"no\" in base"):
+        check_arms(study, study.arms(study.first_learning_rates()))
+    fp32 = _study(tmp_path, optimizers={"adamw": [1.0e-3]}, momentum=[0.9], seeds=[0],
+                  base={"max_steps": 300, "eval_fraction": 0.05, "mixed_precision": "no"})
+    check_arms(fp32, fp32.arms(fp32.first_learning_rates()))
+
+
 def _record(arm: Arm, loss: float) -> dict:
     return {"arm": arm.__dict__, "mode": arm.mode, "final_eval": {"eval_loss": loss}}
 
