@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -70,9 +71,7 @@ def fully_shard_stage(stage: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype 
     # The stage's own inputs are not cast: token ids, activations already in the compute dtype, and the
     # fp32 router statistics carried from stage to stage, which bf16 would round (counts above 256) where
     # a versioned stage keeps them exact. Each decoder layer's unit still casts what enters it.
-    root_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce if dtype else None,
-                                       cast_forward_inputs=False)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=root_policy)
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False, mp_policy=replace(policy, cast_forward_inputs=False))
     return stage
 
 
