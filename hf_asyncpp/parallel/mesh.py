@@ -21,10 +21,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _abort_process_group  # pinned: tests/parallel/test_mesh.py
 
 from .launch import LaunchInfo
 
-__all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free_port", "init_parallel", "link_groups",
+__all__ = ["IO_TIMEOUT", "ParallelLayout", "abandon_groups", "broadcast_from_first_replica", "free_port", "init_parallel", "link_groups",
            "link_timeout", "mesh_coordinates", "shutdown_parallel"]
 
 IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
@@ -196,10 +197,25 @@ def broadcast_from_first_replica(modules: list[torch.nn.Module], layout: Paralle
             dist.broadcast(tensor.data, group=layout.dp_group, group_src=0)
 
 
+# Groups holding sends that will never be received: aborted at teardown, not destroyed.
+_abandoned_groups: list[dist.ProcessGroup] = []
+
+
+def abandon_groups(groups: list[dist.ProcessGroup]) -> None:
+    """Mark groups whose posted sends no step will receive (an asynchronous pipeline stopped between
+    steps), for `shutdown_parallel` to abort: destroying a group waits for its pending operations
+    (NCCL finalizes the communicator), which an unreceived send never completes."""
+    _abandoned_groups.extend(groups)
+
+
 def shutdown_parallel(peers_alive: bool = True) -> None:
-    """Tear the process groups down. After a failure (`peers_alive` False) there is no final barrier:
-    a dead or stopped peer would keep it waiting until the timeout."""
+    """Tear the process groups down; the abandoned ones (`abandon_groups`) are aborted, after the
+    final barrier, when every peer has received all it ever will. After a failure (`peers_alive`
+    False) there is no final barrier: a dead or stopped peer would keep it waiting until the timeout."""
     if dist.is_initialized():
         if peers_alive:
             dist.barrier()  # gloo sometimes aborts when a peer tears down mid-collective
+        for group in _abandoned_groups:
+            _abort_process_group(group)
         dist.destroy_process_group()
+    _abandoned_groups.clear()

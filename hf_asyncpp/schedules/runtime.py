@@ -114,6 +114,12 @@ class ProgramRuntime(_PipelineScheduleRuntime):
         while self._send_works:
             self._send_works.pop()[1].wait()
 
+    def abandon_sends(self) -> list:
+        """Forget the sends in flight, which feed steps that will never run; returns the groups they were
+        posted on (every link group: a peer may hold the other end of one), to abort at teardown."""
+        self._send_works = []
+        return list({id(group): group for group in self._links.values()}.values())
+
     def retire_sends(self, programs_back: int) -> None:
         """Forget the sends known complete, and wait for those posted `programs_back` or more program
         runs ago. gloo reports a send complete only once it is waited for, so without the wait an

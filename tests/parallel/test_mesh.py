@@ -4,6 +4,8 @@ every group's operations wait comm_timeout_s for a peer."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 
 from tests.ranks import run_ranks
@@ -141,3 +143,56 @@ def test_an_asynchronous_pipelines_nccl_messages_may_wait_across_an_evaluation_o
     comm = timedelta(seconds=600)
     assert link_timeout(torch.device(device), comm, asynchronous) == (IO_TIMEOUT if expected == "io" else comm)
     assert link_timeout(torch.device(device), IO_TIMEOUT * 2, asynchronous) == IO_TIMEOUT * 2  # never shorter
+
+
+@contextmanager
+def group_teardowns(links):
+    """Records {(which, how)} for every group torch tears down inside the block: which is "link" for
+    the groups in `links`, else "another group"; how is "aborted" or "destroyed"."""
+    import torch.distributed as dist
+
+    link_names = {group.group_name for group in links}
+    ended = set()
+    process_group = dist.ProcessGroup
+    # The class's own entries: read through the class, pybind's methods come back unbound, and set back
+    # so they would no longer bind to the group.
+    abort, shutdown = vars(process_group)["abort"], vars(process_group)["shutdown"]
+
+    def spy(how, method):
+        def ended_by(group, *args):
+            ended.add(("link" if group.group_name in link_names else "another group", how))
+            return method.__get__(group)(*args)
+        return ended_by
+
+    process_group.abort, process_group.shutdown = spy("aborted", abort), spy("destroyed", shutdown)
+    try:
+        yield ended
+    finally:
+        process_group.abort, process_group.shutdown = abort, shutdown
+
+
+def _teardown_with_a_send_never_received(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import abandon_groups, init_parallel, link_groups, shutdown_parallel
+
+    layout = init_parallel(read_launch(), 2)
+    (link,) = link_groups(layout, [(0, 1)], asynchronous=True).values()
+    with group_teardowns([link]) as ended:
+        if rank == 0:  # the activation of a step that never runs: no receive is ever posted for it
+            dist.isend(torch.ones(1 << 20), 1, group=link)
+        abandon_groups([link])
+        shutdown_parallel()
+    return ended
+
+
+@pytest.mark.multirank
+def test_a_group_holding_a_send_never_received_is_aborted_at_teardown_and_the_others_destroyed():
+    """Destroying a group waits for its pending operations (NCCL finalizes the communicator), and a
+    send whose step never runs never completes: a stopped asynchronous pipeline's link groups are
+    aborted instead (torch's private `_abort_process_group`, pinned here: it ends the group through
+    `ProcessGroup.abort` and takes it out of what `destroy_process_group` then tears down)."""
+    for report in run_ranks(2, _teardown_with_a_send_never_received):
+        assert report == {("link", "aborted"), ("another group", "destroyed")}
