@@ -31,7 +31,7 @@ from .models.recompute import apply_activation_checkpointing
 from .models.pipeline_loss import PipelineLoss
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, reduce_dtype, shard_parameters, unshard_parameters
-from .parallel.mesh import ParallelLayout, abandon_groups, broadcast_from_first_replica, link_groups
+from .parallel.mesh import ParallelLayout, broadcast_from_first_replica, link_groups
 from .resilience import NonFiniteGuard, TerminationRequest
 from .schedules import ScheduleError, build_schedule, get_schedule_spec
 from .schedules.async_order import replay_after
@@ -283,13 +283,10 @@ class PipelineEngine:
     def finish(self, wait_for_sends: bool = True) -> None:
         """Wait for every step's statistics reduction and in-flight send, and review the last step
         (call before tearing down process groups). A run stopped between steps of an asynchronous
-        pipeline (SIGTERM) passes `wait_for_sends=False`: its last sends feed steps that never run, and
-        their groups are aborted at teardown (`mesh.abandon_groups`)."""
+        pipeline (SIGTERM) passes `wait_for_sends=False`: its last sends feed steps that never run."""
         self.settle_updates()
         if self.versioned and wait_for_sends:
             self.schedule.finish()
-        elif self.versioned:
-            abandon_groups(self.schedule.abandon_sends())
         for reduced in self._unfinished:
             reduced.value("loss")
         self._unfinished = []

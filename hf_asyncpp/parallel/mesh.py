@@ -25,7 +25,7 @@ from torch.distributed.distributed_c10d import _abort_process_group  # pinned: t
 
 from .launch import LaunchInfo
 
-__all__ = ["IO_TIMEOUT", "ParallelLayout", "abandon_groups", "broadcast_from_first_replica", "free_port", "init_parallel", "link_groups",
+__all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free_port", "init_parallel", "link_groups",
            "link_timeout", "mesh_coordinates", "shutdown_parallel"]
 
 IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
@@ -160,6 +160,10 @@ def link_timeout(device: torch.device, comm_timeout: timedelta, asynchronous: bo
     return max(comm_timeout, IO_TIMEOUT) if device.type == "cuda" and asynchronous else comm_timeout
 
 
+# This process's pair groups (`link_groups`), in the global order of their pairs: aborted at teardown.
+_pair_groups: list[dist.ProcessGroup] = []
+
+
 def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]],
                 asynchronous: bool = False) -> dict[int, dist.ProcessGroup]:
     """A two-rank process group for each pair of pipeline ranks in `rank_pairs` (pp ranks, every
@@ -179,6 +183,7 @@ def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]],
             group = dist.new_group(ranks, timeout=link_timeout(layout.device, layout.timeout, asynchronous))
             if layout.rank in ranks:
                 links[ranks[1] if ranks[0] == layout.rank else ranks[0]] = group
+                _pair_groups.append(group)
     if layout.device.type == "cuda":
         # Set the communicators up now, not in a step. Pairs in one global order: no rank can wait
         # on a pair whose other rank waits on a later one.
@@ -197,25 +202,18 @@ def broadcast_from_first_replica(modules: list[torch.nn.Module], layout: Paralle
             dist.broadcast(tensor.data, group=layout.dp_group, group_src=0)
 
 
-# Groups holding sends that will never be received: aborted at teardown, not destroyed.
-_abandoned_groups: list[dist.ProcessGroup] = []
-
-
-def abandon_groups(groups: list[dist.ProcessGroup]) -> None:
-    """Mark groups whose posted sends no step will receive (an asynchronous pipeline stopped between
-    steps), for `shutdown_parallel` to abort: destroying a group waits for its pending operations
-    (NCCL finalizes the communicator), which an unreceived send never completes."""
-    _abandoned_groups.extend(groups)
-
-
 def shutdown_parallel(peers_alive: bool = True) -> None:
-    """Tear the process groups down; the abandoned ones (`abandon_groups`) are aborted, after the
-    final barrier, when every peer has received all it ever will. After a failure (`peers_alive`
+    """Tear the process groups down. The pair groups (`link_groups`) are aborted, not destroyed:
+    destroying a group waits for its pending operations (NCCL finalizes the communicator), and an
+    asynchronous pipeline that did not end its run (SIGTERM, a failure) leaves sends no step will
+    receive. They are aborted after the final barrier, when every peer has received all it ever
+    will, one pair after another in one global order (were an abort to wait for the peer's, as in
+    some NCCL versions, no two ranks would wait on each other). After a failure (`peers_alive`
     False) there is no final barrier: a dead or stopped peer would keep it waiting until the timeout."""
     if dist.is_initialized():
         if peers_alive:
             dist.barrier()  # gloo sometimes aborts when a peer tears down mid-collective
-        for group in _abandoned_groups:
+        for group in _pair_groups:
             _abort_process_group(group)
         dist.destroy_process_group()
-    _abandoned_groups.clear()
+    _pair_groups.clear()

@@ -114,14 +114,6 @@ class ProgramRuntime(_PipelineScheduleRuntime):
         while self._send_works:
             self._send_works.pop()[1].wait()
 
-    def abandon_sends(self) -> list:
-        """Forget the sends in flight, which feed steps that will never run; returns the groups they were
-        posted on (every link group: a peer may hold the other end of one), to abort at teardown. By
-        peer rank, which is one global order of the pairs: were an abort to wait for the peer's (as
-        some NCCL versions did), no two ranks would wait on each other."""
-        self._send_works = []
-        return [self._links[peer] for peer in sorted(self._links)]
-
     def retire_sends(self, programs_back: int) -> None:
         """Forget the sends known complete, and wait for those posted `programs_back` or more program
         runs ago. gloo reports a send complete only once it is waited for, so without the wait an

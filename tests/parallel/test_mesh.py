@@ -176,23 +176,22 @@ def _teardown_with_a_send_never_received(rank, world_size):
     import torch.distributed as dist
 
     from hf_asyncpp.parallel.launch import read_launch
-    from hf_asyncpp.parallel.mesh import abandon_groups, init_parallel, link_groups, shutdown_parallel
+    from hf_asyncpp.parallel.mesh import init_parallel, link_groups, shutdown_parallel
 
     layout = init_parallel(read_launch(), 2)
     (link,) = link_groups(layout, [(0, 1)], asynchronous=True).values()
     with group_teardowns([link]) as ended:
         if rank == 0:  # the activation of a step that never runs: no receive is ever posted for it
             dist.isend(torch.ones(1 << 20), 1, group=link)
-        abandon_groups([link])
         shutdown_parallel()
     return ended
 
 
 @pytest.mark.multirank
-def test_a_group_holding_a_send_never_received_is_aborted_at_teardown_and_the_others_destroyed():
+def test_pair_groups_are_aborted_at_teardown_even_with_a_send_never_received_and_the_others_destroyed():
     """Destroying a group waits for its pending operations (NCCL finalizes the communicator), and a
-    send whose step never runs never completes: a stopped asynchronous pipeline's link groups are
-    aborted instead (torch's private `_abort_process_group`, pinned here: it ends the group through
+    send whose step never runs never completes: the pair groups, which carry the pipeline's messages,
+    are aborted instead (torch's private `_abort_process_group`, pinned here: it ends the group through
     `ProcessGroup.abort` and takes it out of what `destroy_process_group` then tears down)."""
     for report in run_ranks(2, _teardown_with_a_send_never_received):
         assert report == {("link", "aborted"), ("another group", "destroyed")}
