@@ -15,9 +15,12 @@ the path and the cause, and that checkpoint verifies and resumes. Needs permissi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -104,17 +107,23 @@ def test_an_output_dir_that_becomes_unwritable_stops_the_run_and_the_last_checkp
     _setup(tmp_path)
     out = tmp_path / "run"
     run = subprocess.Popen(_command(tmp_path, out, "--max_steps", str(UNWRITABLE_STEPS)), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, env=_env())
+                           stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
     try:
         deadline = time.time() + 300
         while not list_checkpoints(out) and time.time() < deadline and run.poll() is None:
             time.sleep(0.02)
-        if not _immutable(out, True):
-            run.kill()
+        # Frozen while the directory is made immutable: on a loaded machine the run could otherwise
+        # start step 4's save first, and its .partial directory would then be there to stay.
+        os.killpg(run.pid, signal.SIGSTOP)
+        immutable = _immutable(out, True)
+        os.killpg(run.pid, signal.SIGCONT)
+        if not immutable:
             pytest.skip("making a directory immutable (chattr +i) needs privileges this machine does not give")
+        assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"], "frozen too late"
         _, stderr = run.communicate(timeout=120)
     finally:
-        run.kill()
+        with contextlib.suppress(ProcessLookupError):  # the launcher and its workers
+            os.killpg(run.pid, signal.SIGKILL)
         _immutable(out, False)
     assert run.returncode == 1
     assert f"error: saving checkpoint {out / 'checkpoint-4'} failed on rank 0 (PermissionError" in stderr
