@@ -367,7 +367,6 @@ def test_an_asynchronous_pipeline_keeps_the_sends_of_its_last_two_steps_only(sch
         assert after_finish == 0
 
 
-
 def _teardown_when_stopped(rank, world_size):
     import torch
 
