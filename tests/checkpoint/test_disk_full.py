@@ -112,6 +112,7 @@ def test_an_output_dir_that_becomes_unwritable_stops_the_run_and_the_last_checkp
         deadline = time.time() + 300
         while not list_checkpoints(out) and time.time() < deadline and run.poll() is None:
             time.sleep(0.02)
+        assert list_checkpoints(out), "the run ended or stalled before its first checkpoint"
         # Frozen while the directory is made immutable: on a loaded machine the run could otherwise
         # start step 4's save first, and its .partial directory would then be there to stay.
         os.killpg(run.pid, signal.SIGSTOP)
