@@ -4,7 +4,7 @@
   processes, one pipeline stage each), trains (the loss falls), evaluates, and leaves an HF model
   directory that `from_pretrained` loads; its metrics.jsonl holds the keys the README names;
 - its test command is the one CI runs (.ci/run);
-- its Results table is the committed study report's headline table, verbatim;
+- its Results tables are the committed study report's headline and verdicts tables, verbatim;
 - every relative link in it and in docs/ points at a file (and heading) that exists.
 """
 
@@ -69,11 +69,12 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     assert test_command.strip() in (REPO / ".ci" / "run").read_text()
 
 
-def test_the_results_table_is_the_committed_reports_headline():
-    """README Results quotes docs/results/<study>/headline.md between markers; the staleness test in
-    test_shipped_configs.py keeps that file what the committed arms give, so the README cannot drift."""
-    quoted = re.findall(r"<!-- headline: (\S+) -->\n(.*?)<!-- /headline -->", _section("Results"), flags=re.S)
-    assert quoted, "README Results quotes no headline table"
+def test_the_results_tables_are_the_committed_reports_headline_and_verdicts():
+    """README Results quotes docs/results/<study>/headline.md and verdicts.md between markers; the staleness
+    test in test_shipped_configs.py keeps those files what the committed arms give, so the README cannot drift."""
+    quoted = re.findall(r"<!-- report: (\S+) -->\n(.*?)<!-- /report -->", _section("Results"), flags=re.S)
+    assert {Path(path).name for path, _ in quoted} >= {"headline.md", "verdicts.md"}, \
+        "README Results quotes the report's headline and verdicts tables"
     for path, table in quoted:
         assert table == (REPO / path).read_text(), f"README Results is not {path}: copy it in"
 

@@ -233,5 +233,5 @@ def test_a_committed_study_report_is_the_one_its_committed_arms_give(path, tmp_p
     if (committed / "tuning.json").is_file():
         shutil.copy(committed / "tuning.json", tmp_path)
     report(dataclasses.replace(study, output_dir=tmp_path))
-    for name in ("summary.md", "claims.md", "headline.md", "results.md", "results.csv"):
+    for name in ("summary.md", "claims.md", "headline.md", "verdicts.md", "results.md", "results.csv"):
         assert (tmp_path / name).read_text() == (committed / name).read_text(), f"{committed / name} is stale"

@@ -54,7 +54,7 @@ def test_a_small_study_runs_its_table_follows_the_arms_metrics_and_a_crashed_arm
     paths = run_study(study_file, log=lambda *_: None)
     out = tmp_path / "study"
     assert {p.name for p in paths} >= {"results.json", "results.csv", "results.md", "claims.md", "headline.md",
-                                       "loss_curves.png", "gap_bars.png"}
+                                       "verdicts.md", "loss_curves.png", "gap_bars.png"}
     arms = out / "arms"
     loss = {(mode, seed): _final_eval_loss(arms / f"adamw-{mode}-m0.9-lr0.003-s{seed}")
             for mode in ("sync", "pipedream-2bw-p2", "pipedream-2bw-p2-ef1") for seed in (0, 1)}

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..log import get_logger
 from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study, mode_name
-from .claims import claims_markdown, headline_markdown
+from .claims import claims_markdown, headline_markdown, verdicts_markdown
 from .results import collect_arms, final_losses, results_rows, write_results
 from .processes import StudyStopped
 from .runner import check_arms, finished_record, run_arms
@@ -110,18 +110,20 @@ def _choose_learning_rates(study: Study, log) -> dict[tuple[str, float], float]:
 
 
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
-    """Table, claims, the README's headline table and figures from the finished arms (the ones in the grid; tuning-only arms are left
-    out)."""
+    """Tables, claims, the two tables README Results quotes (headline, verdicts) and figures from the finished
+    arms (the ones in the grid; tuning-only arms are left out)."""
     records = collect_arms(study.output_dir / "arms")
     in_grid = {a.name for a in study.arms(read_chosen(study))}
     records = [r for r in records if Arm.from_record(r).name in in_grid]
     rows = results_rows(records)
-    claims, headline = study.output_dir / "claims.md", study.output_dir / "headline.md"
+    claims, headline, verdicts = (study.output_dir / name for name in ("claims.md", "headline.md", "verdicts.md"))
     main = study.main_delayed_mode()
     main_mode = mode_name(*main) if main else None
-    claims.write_text(claims_markdown(study, final_losses(records)))
+    losses = final_losses(records)
+    claims.write_text(claims_markdown(study, losses))
+    verdicts.write_text(verdicts_markdown(study, losses))
     headline.write_text(headline_markdown(study, rows))
-    return [*write_results(study.output_dir, rows, records, failed or []), claims, headline,
+    return [*write_results(study.output_dir, rows, records, failed or []), claims, headline, verdicts,
             *write_figures(study.output_dir, rows, records, main_mode)]
 
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from .grid import Study, mode_name
 from .results import ef_share, markdown_head, markdown_row, seeds_label, spread
 
-__all__ = ["CLAIMS", "PUBLISHED", "Claim", "Effect", "claims_markdown", "headline_markdown", "verdict"]
+__all__ = ["CLAIMS", "PUBLISHED", "Claim", "Effect", "claims_markdown", "headline_markdown", "verdict",
+           "verdicts_markdown"]
 
 # The reference study at 360M, dense, PipeDream-2BW: per optimizer, the synchronous run's final validation
 # loss, the delayed run's gap to it (Table 1) and the gap with Error Feedback (Table 2).
@@ -221,17 +222,42 @@ def _tally(verdicts: list[str]) -> str:
     return "; ".join(f"{v}: {verdicts.count(v)}" for v in dict.fromkeys(verdicts))
 
 
+def _effect_range(claim: Claim, effects: list[Effect]) -> str:
+    """The claim's effect as its effects' means span, with their seed counts: the table's one number."""
+    measured = [e.values for e in effects if e.values]
+    if not measured:
+        return "–"
+    means = sorted(statistics.fmean(values) for values in measured)
+    seeds = sorted({len(values) for values in measured})
+    low, high = f"{means[0]:+.3f}", f"{means[-1]:+.3f}"
+    span = low if low == high else f"{low} to {high}"
+    count = seeds_label(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]} seeds"
+    return f"{claim.effect}: {span} ({count})"
+
+
+def _verdict_rows(measured: list[tuple[Claim, list[Effect]]]) -> list[str]:
+    lines = markdown_head(["claim", "published (360M dense, PipeDream-2BW)", "effect here", "verdicts here"])
+    for claim, effects in measured:
+        lines.append(markdown_row([claim.statement, claim.published, _effect_range(claim, effects),
+                                   _tally([verdict(e.values, claim.expect_positive) for e in effects])]))
+    return lines
+
+
+def verdicts_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
+    """verdicts.md, the table README Results quotes: a line per claim (what is published, the span of its
+    effects here, the verdicts' tally); claims.md opens with it."""
+    grid = _Grid(study, losses)
+    return "\n".join(_verdict_rows([(claim, claim.effects(grid)) for claim in CLAIMS])) + "\n"
+
+
 def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
-    """claims.md: a line per claim (what is published, the verdicts' tally), then each claim's effects."""
+    """claims.md: the verdicts table (verdicts_markdown), then each claim's effects."""
     grid = _Grid(study, losses)
     measured = [(claim, claim.effects(grid)) for claim in CLAIMS]
     lines = ["The reference study's claims against this grid's finished arms (rule: hf_asyncpp/study/claims.py).",
              "An effect is a per-seed difference of final validation losses; with several seeds it counts when",
              "its mean exceeds the two-sided 95% Student-t bound of a paired test.", "",
-             *markdown_head(["claim", "published (360M dense, PipeDream-2BW)", "verdicts here"])]
-    for claim, effects in measured:
-        lines.append(markdown_row([claim.statement, claim.published,
-                                   _tally([verdict(e.values, claim.expect_positive) for e in effects])]))
+             *_verdict_rows(measured)]
     for claim, effects in measured:
         if not effects:
             continue

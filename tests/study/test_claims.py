@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 
 from hf_asyncpp.study import load_study
-from hf_asyncpp.study.claims import CLAIMS, claims_markdown, headline_markdown, verdict
+from hf_asyncpp.study.claims import CLAIMS, claims_markdown, headline_markdown, verdict, verdicts_markdown
 from hf_asyncpp.study.grid import Arm
 from hf_asyncpp.study.results import final_losses, results_rows
 from tests.study.test_grid import BASE
@@ -92,7 +92,7 @@ def _records():
 def test_each_claim_tallies_the_verdicts_of_its_effects(tmp_path):
     text = claims_markdown(_study(tmp_path), final_losses(_records()))
     header, *rows = _table(text, "| claim |")
-    verdicts = {row[0]: row[2] for row in rows}
+    verdicts = {row[0]: row[-1] for row in rows}
     assert [row[0] for row in rows] == [claim.statement for claim in CLAIMS]
     assert verdicts["a one-step delay costs AdamW far more than Muon and SOAP"] == "reproduced: 2"  # 2 momenta
     # AdamW keeps +0.2 with EF (not reproduced); Muon's +0.0 ± noise is within it.
@@ -105,6 +105,28 @@ def test_each_claim_tallies_the_verdicts_of_its_effects(tmp_path):
     assert verdicts["PipeDream-2BW's gap does not grow with the pipeline's depth"] == "reproduced: 4"
     assert verdicts["PipeDream's gap grows with the pipeline's depth"] == "reproduced: 4"
     assert verdicts["at equal depth PipeDream's gap exceeds PipeDream-2BW's"] == "reproduced: 4"
+
+
+def test_the_verdicts_table_spans_each_claims_effects_with_their_seeds_and_opens_claims_md(tmp_path):
+    """README Results quotes verdicts.md: per claim, the smallest and largest effect mean and their seed counts."""
+    study = _study(tmp_path)
+    records = [r for r in _records() if not (r["arm"]["schedule"] == "pipedream" and r["arm"]["seed"] > 0)]
+    table = verdicts_markdown(study, final_losses(records))
+    assert table in claims_markdown(study, final_losses(records))
+    effects = {row[0]: row[2] for row in _table(table, "| claim |")[1:]}
+    # AdamW − Muon: +0.450 at both momenta (the noise is the same on both sides of each seed's pair).
+    assert effects["a one-step delay costs AdamW far more than Muon and SOAP"] == \
+        "AdamW's gap − the other's: +0.450 (3 seeds)"
+    # AdamW's EF gap 0.2 + noise, Muon's 0.0 + noise: the means over seeds are +0.197 and −0.003.
+    assert effects["with Error Feedback the delayed run matches the synchronous one"] == \
+        "the gap with EF: -0.003 to +0.197 (3 seeds)"
+    # PipeDream has seed 0 only: its growth (Muon +0.04 + 0.00 noise … AdamW +0.4) on one seed.
+    assert effects["PipeDream's gap grows with the pipeline's depth"] == \
+        "the gap at the largest depth − at the smallest: +0.040 to +0.400 (1 seed)"
+    # PipeDream against 2BW at depth 4: one seed on PipeDream's side, so the pairs have one.
+    assert effects["at equal depth PipeDream's gap exceeds PipeDream-2BW's"].endswith("(1 seed)")
+    sync_only = dataclasses.replace(study, modes=[("sync", 1, 0)])
+    assert {row[2] for row in _table(verdicts_markdown(sync_only, {}), "| claim |")[1:]} == {"–"}
 
 
 def test_an_effect_row_shows_the_seed_means_and_the_paired_effect(tmp_path):
@@ -128,12 +150,12 @@ def test_the_means_beside_an_effect_are_over_the_seeds_it_pairs(tmp_path):
 def test_claims_without_their_arms_say_so_and_a_grid_without_their_modes_has_none(tmp_path):
     study = _study(tmp_path)
     records = [r for r in _records() if r["arm"]["optimizer"] == "adamw" and r["arm"]["seed"] == 0]
-    verdicts = {row[0]: row[2] for row in _table(claims_markdown(study, final_losses(records)), "| claim |")[1:]}
+    verdicts = {row[0]: row[-1] for row in _table(claims_markdown(study, final_losses(records)), "| claim |")[1:]}
     assert verdicts["a one-step delay costs AdamW far more than Muon and SOAP"] == "not measured yet: 2"
     assert verdicts["PipeDream's gap grows with the pipeline's depth"] == \
         "agrees (1 seed): 2; not measured yet: 2"
     sync_only = dataclasses.replace(study, modes=[("sync", 1, 0)])
-    verdicts = {row[0]: row[2] for row in _table(claims_markdown(sync_only, {}), "| claim |")[1:]}
+    verdicts = {row[0]: row[-1] for row in _table(claims_markdown(sync_only, {}), "| claim |")[1:]}
     assert set(verdicts.values()) == {"not in this grid"}
 
 
