@@ -9,10 +9,13 @@
 #   5. one moe_2b stage: tokens/s and MFU per expert kernel, activation checkpointing and compile on and
 #      off (gpu_stage.py; arms started within --max_minutes 4)                  -> gpu_stage.json
 # Each step's exit status goes to status.txt and everything printed to log.txt; a failing step does not
-# stop the others. The study sized for one GPU is a separate run of about 8 minutes:
-# `hf-asyncpp study training_scripts/studies/gpu_single.yaml`.
+# stop the others. The study sized for one GPU (gpu_single.yaml, about 8 minutes) is a separate run,
+# `--study`: the versions, then the study under a 520 s limit (a study cut short keeps its finished arms
+# and runs the rest when rerun over its output), that output without checkpoints packed into
+# study.tar.gz (STUDY=FILE runs another study file).
 #
 #   benchmarks/gpu_checks.sh [RESULTS_DIR]            # default benchmarks/results/gpu
+#   benchmarks/gpu_checks.sh --study [RESULTS_DIR]
 #
 # Versions: a CUDA build of torch, 2.11 or later (only the multi-rank pipeline runtime relies on torch
 # 2.13's private API, and one GPU runs no multi-rank pipeline), and the pinned transformers 5.24: with
@@ -40,6 +43,11 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exit
 fi
 
+study=0
+if [ "${1:-}" = "--study" ]; then
+  study=1
+  shift
+fi
 results=${1:-benchmarks/results/gpu}
 mkdir -p "$results"
 log="$results/log.txt"
@@ -67,17 +75,24 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record its exit stat
 
 step versions 60 bash -c "nvidia-smi; $PYTHON -c 'import torch, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); print(\"transformers\", transformers.__version__)'"
 cp "$log" "$results/versions.txt"
-step bf16_accumulation 120 "$PYTHON" benchmarks/gpu_bf16_accumulation.py --out "$results/gpu_bf16_accumulation.json"
-smoke=$(mktemp -d)
-step smoke 180 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
-  --schedule pipedream-2bw --emulate_pp_size 2 --optimizer muon --learning_rate 0.02 --ef True --max_steps 30 \
-  --logging_steps 5 --eval_steps 0 --save_final False --report_to none --output_dir "$smoke"
-cp "$smoke/metrics.jsonl" "$results/smoke_metrics.jsonl" 2>/dev/null
-sync=$(mktemp -d)
-step sync_bf16 90 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
-  --schedule gpipe --mixed_precision bf16 --max_steps 20 --logging_steps 5 --eval_steps 0 --save_final False \
-  --report_to none --output_dir "$sync"
-cp "$sync/metrics.jsonl" "$results/sync_bf16_metrics.jsonl" 2>/dev/null
-step gpu_stage 360 "$PYTHON" benchmarks/gpu_stage.py --max_minutes 4 --out "$results/gpu_stage.json"
+if [ "$study" = 1 ]; then
+  study_file=${STUDY:-training_scripts/studies/gpu_single.yaml}
+  step study 520 "$PYTHON" -m hf_asyncpp.cli study "$study_file"
+  output=$("$PYTHON" -c 'import sys; from hf_asyncpp.study import load_study; print(load_study(sys.argv[1]).output_dir)' "$study_file")
+  tar -czf "$results/study.tar.gz" --exclude='checkpoint-*' -C "$(dirname "$output")" "$(basename "$output")"
+else
+  step bf16_accumulation 120 "$PYTHON" benchmarks/gpu_bf16_accumulation.py --out "$results/gpu_bf16_accumulation.json"
+  smoke=$(mktemp -d)
+  step smoke 180 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
+    --schedule pipedream-2bw --emulate_pp_size 2 --optimizer muon --learning_rate 0.02 --ef True --max_steps 30 \
+    --logging_steps 5 --eval_steps 0 --save_final False --report_to none --output_dir "$smoke"
+  cp "$smoke/metrics.jsonl" "$results/smoke_metrics.jsonl" 2>/dev/null
+  sync=$(mktemp -d)
+  step sync_bf16 90 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
+    --schedule gpipe --mixed_precision bf16 --max_steps 20 --logging_steps 5 --eval_steps 0 --save_final False \
+    --report_to none --output_dir "$sync"
+  cp "$sync/metrics.jsonl" "$results/sync_bf16_metrics.jsonl" 2>/dev/null
+  step gpu_stage 360 "$PYTHON" benchmarks/gpu_stage.py --max_minutes 4 --out "$results/gpu_stage.json"
+fi
 cat "$results/status.txt"
 ! grep -qv " 0$" "$results/status.txt"
