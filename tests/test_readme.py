@@ -4,7 +4,8 @@
   processes, one pipeline stage each), trains (the loss falls), evaluates, and leaves an HF model
   directory that `from_pretrained` loads; its metrics.jsonl holds the keys the README names;
 - its test command is the one CI runs (.ci/run);
-- its Results tables are the committed study report's headline and verdicts tables, verbatim;
+- its Results tables are the committed study report's headline and verdicts tables, verbatim, and each
+  loss difference its prose quotes is one the committed report or arms give;
 - every relative link in it and in docs/ points at a file (and heading) that exists.
 """
 
@@ -77,6 +78,31 @@ def test_the_results_tables_are_the_committed_reports_headline_and_verdicts():
         "README Results quotes the report's headline and verdicts tables"
     for path, table in quoted:
         assert table == (REPO / path).read_text(), f"README Results is not {path}: copy it in"
+
+
+def _seed_gaps(arms: dict[str, float]) -> set[str]:
+    """Every arm's gap to the sync arm of its optimizer, momentum, learning rate and seed, as printed."""
+    gaps = set()
+    for name, loss in arms.items():
+        optimizer, _, rest = name.partition("-")
+        sync = re.sub(r"^.*?(-m[\d.]+-lr[^-]+-s\d+)$", rf"{optimizer}-sync\1", name)
+        if sync != name and sync in arms:
+            gaps.add(f"{loss - arms[sync]:+.3f}")
+    return gaps
+
+
+def test_the_results_prose_quotes_only_numbers_the_committed_report_gives():
+    """A loss or gap the bullets print (a signed value to 3 decimals, with its spread if any) is in the
+    report's tables or is one seed's gap from its arms: prose left behind by later arms fails."""
+    prose = re.sub(r"<!-- report: \S+ -->.*?<!-- /report -->", "", _section("Results"), flags=re.S)
+    quoted = re.findall(r"<!-- report: (\S+) -->", _section("Results"))
+    report = Path(quoted[0]).parent
+    tables = "".join(page.read_text() for page in (REPO / report).glob("*.md")).replace("-", "−")
+    arms = json.loads((REPO / report / "results.json").read_text())["arms"]
+    given = _seed_gaps(arms)
+    stale = [value for value in re.findall(r"[+−-]\d\.\d{3}(?: ± \d\.\d{3})?", prose)
+             if value.replace("-", "−") not in tables and value.replace("−", "-") not in given]
+    assert not stale, f"README Results quotes {stale}, which {report} does not give"
 
 
 def _anchors(page: Path) -> set[str]:
