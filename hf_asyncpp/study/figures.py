@@ -1,13 +1,14 @@
 """A study's figures (PNG, matplotlib Agg), drawn from the results rows and the arms' metrics.
 
 - loss_curves.png: per optimizer, the training loss (seed mean, smoothed) of every mode, EF on/off;
-- gap_bars.png: per optimizer, the gap to sync of each delayed mode, without and with EF;
+- gap_bars.png: a panel per optimizer, the gap to sync of each delayed mode, without and with EF;
 - gap_vs_momentum.png: the gap of the main delayed mode (2BW at its smallest depth) against momentum,
   one line per optimizer;
 - gap_vs_depth.png: per optimizer, each asynchronous schedule's gap against pipeline depth at each
   momentum (EF off; sync-start modes left out).
 
-A figure whose axis the grid does not vary is not drawn.
+Each mode has one colour in every figure (sync black); its EF arms share it, dashed or hatched. A
+figure whose axis the grid does not vary is not drawn.
 """
 
 from __future__ import annotations
@@ -44,42 +45,60 @@ def _label(mode: str, ef: float) -> str:
     return mode + (f" + EF λ={ef:g}" if ef else "")
 
 
+def _colours(modes) -> dict[str, str]:
+    """One colour per mode, shared by the figures (sync black); a mode's EF arms take its colour, dashed
+    or hatched. Up to 10 delayed modes take the default cycle's colours, more the 20-colour map's."""
+    delayed = sorted(set(modes) - {"sync"})
+    if len(delayed) <= 10:
+        return {"sync": "black", **{mode: f"C{i}" for i, mode in enumerate(delayed)}}
+    import matplotlib
+
+    tab20 = matplotlib.colormaps["tab20"]
+    return {"sync": "black", **{mode: matplotlib.colors.to_hex(tab20(i % 20)) for i, mode in enumerate(delayed)}}
+
+
 def _loss_curves(plt, records, arms_dir: Path, out: Path) -> Path:
     optimizers = sorted({r["arm"]["optimizer"] for r in records})
     fig, axes = plt.subplots(1, len(optimizers), figsize=(5 * len(optimizers), 4), squeeze=False)
     momentum0 = min(r["arm"]["momentum"] for r in records)
+    colours = _colours(r["mode"] for r in records)
     for ax, optimizer in zip(axes[0], optimizers):
-        curves: dict[str, list[dict[int, float]]] = defaultdict(list)
+        curves: dict[tuple[str, float], list[dict[int, float]]] = defaultdict(list)
         for r in records:
             a = r["arm"]
             if a["optimizer"] == optimizer and a["momentum"] == momentum0:
-                curves[_label(r["mode"], a["ef_lambda"])].append(_train_curve(arms_dir / Arm.from_record(r).name))
-        for label, runs in sorted(curves.items()):
+                curves[(r["mode"], a["ef_lambda"])].append(_train_curve(arms_dir / Arm.from_record(r).name))
+        for (mode, ef), runs in sorted(curves.items()):
             steps = sorted(set.intersection(*(set(c) for c in runs)))
-            ax.plot(steps, _smooth([sum(c[s] for c in runs) / len(runs) for s in steps]), label=label)
+            ax.plot(steps, _smooth([sum(c[s] for c in runs) / len(runs) for s in steps]), label=_label(mode, ef),
+                    color=colours[mode], linestyle="--" if ef else "-", linewidth=1.2)
         ax.set(title=f"{optimizer} (momentum {momentum0:g})", xlabel="step", ylabel="training loss (smoothed)")
         ax.legend(fontsize=7)
     return _save(plt, fig, out / "loss_curves.png")
 
 
 def _gap_bars(plt, rows, out: Path) -> Path | None:
+    """A panel per optimizer (their gaps differ by an order of magnitude), a bar per delayed mode."""
     delayed = [r for r in rows if r["mode"] != "sync" and r["gap"] is not None]
     if not delayed:
         return None
     optimizers = sorted({r["optimizer"] for r in delayed})
-    labels = sorted({_label(r["mode"], r["ef_lambda"]) for r in delayed})
+    bars = sorted({(r["mode"], r["ef_lambda"]) for r in delayed})
     momentum0 = min(r["momentum"] for r in delayed)
-    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(optimizers) * len(labels) / 2), 4))
-    width = 0.8 / len(labels)
-    for i, label in enumerate(labels):
-        values = [next((r for r in delayed if r["optimizer"] == o and r["momentum"] == momentum0
-                        and _label(r["mode"], r["ef_lambda"]) == label), None) for o in optimizers]
-        ax.bar([k + i * width for k in range(len(optimizers))], [v["gap"] if v else 0 for v in values], width,
-               yerr=[v["gap_std"] if v else 0 for v in values], label=label, capsize=3)
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(optimizers))], optimizers)
-    ax.set(ylabel="validation loss − sync", title=f"Gap to synchronous training (momentum {momentum0:g})")
-    ax.legend(fontsize=7)
+    colours = _colours(mode for mode, _ in bars)
+    fig, axes = plt.subplots(1, len(optimizers), figsize=(max(5, 0.45 * len(bars)) * len(optimizers), 4.5),
+                             squeeze=False)
+    for ax, optimizer in zip(axes[0], optimizers):
+        by_bar = {(r["mode"], r["ef_lambda"]): r for r in delayed
+                  if r["optimizer"] == optimizer and r["momentum"] == momentum0}
+        values = [by_bar.get(bar) for bar in bars]
+        ax.bar(range(len(bars)), [v["gap"] if v else 0 for v in values], 0.8,
+               yerr=[v["gap_std"] if v else 0 for v in values], capsize=3, color=[colours[m] for m, _ in bars],
+               hatch=["//" if ef else "" for _, ef in bars], edgecolor="white")
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(bars)), [_label(mode, ef) for mode, ef in bars], rotation=55, ha="right", fontsize=7)
+        ax.set(title=optimizer, ylabel="validation loss − sync")
+    fig.suptitle(f"Gap to synchronous training (momentum {momentum0:g}; ± the seed spread)")
     return _save(plt, fig, out / "gap_bars.png")
 
 

@@ -296,33 +296,6 @@ def test_a_sync_start_rows_gap_is_to_the_sync_arm_of_its_optimizer_momentum_and_
     assert start_ef["ef_recovered"] == pytest.approx(0.75)  # against its own EF-off twin (0.2), not 2BW's (0.5)
 
 
-def test_the_depth_figure_has_a_line_per_schedule_and_momentum_without_sync_start(tmp_path):
-    from hf_asyncpp.study.figures import depth_trends, write_figures
-
-    records = []
-    for seed in (0, 1):
-        for momentum in (0.9, 0.95):
-            for schedule, depth, sync_steps, loss in (("sync", 1, 0, 3.0), ("pipedream-2bw", 2, 0, 3.5),
-                                                      ("pipedream-2bw", 4, 0, 3.6), ("pipedream", 2, 0, 3.1),
-                                                      ("pipedream-2bw", 2, 100, 3.2)):
-                arm = Arm("adamw", schedule, depth, 0.0, momentum, 1.0e-3, seed, sync_steps)
-                directory = tmp_path / "arms" / arm.name
-                directory.mkdir(parents=True)
-                (directory / "metrics.jsonl").write_text("".join(
-                    json.dumps({"step": s, "loss": loss + 1 / s}) + "\n" for s in range(1, 6)))
-                records.append(_record(arm, loss + seed / 10 + (momentum == 0.95) / 100))
-    rows = results_rows(records)
-    trends = depth_trends(rows)
-    assert set(trends) == {"adamw"}
-    assert set(trends["adamw"]) == {(s, m) for s in ("pipedream-2bw", "pipedream") for m in (0.9, 0.95)}
-    two_bw = trends["adamw"][("pipedream-2bw", 0.95)]
-    assert [d for d, _, _ in two_bw] == [2, 4]  # sync start (2BW at depth 2 after 100 sync steps) is no point
-    assert [g for _, g, _ in two_bw] == pytest.approx([0.5, 0.6])
-    drawn = {p.name for p in write_figures(tmp_path, rows, records, "pipedream-2bw@2")}
-    assert {"gap_vs_depth.png", "gap_vs_momentum.png"} <= drawn
-    assert "gap_vs_momentum.png" not in {p.name for p in write_figures(tmp_path, rows, records, None)}
-
-
 def test_a_best_learning_rate_at_the_edge_of_three_candidates_is_flagged(tmp_path):
     """The tuning arms are found finished (their records in place), so nothing trains; the pick at
     the largest candidate is warned about and marked in tuning.json, the one inside is not."""
