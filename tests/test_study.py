@@ -219,3 +219,12 @@ def test_a_stopped_study_exits_0_and_says_how_to_continue(monkeypatch, capsys):
     assert main(["study", "any.yaml"]) == 0
     err = capsys.readouterr().err
     assert "study stopped (arms stopped at a checkpoint: 2, not started: 40): run the same command" in err
+
+
+def test_a_report_of_a_study_never_run_is_one_error_and_writes_nothing(study_file, tmp_path, capsys):
+    from hf_asyncpp.cli import main
+
+    assert main(["study", str(study_file), "--report-only"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {tmp_path / 'study'} holds no arms, so there is nothing to report: run the study first"]
+    assert not (tmp_path / "study").exists()

@@ -112,6 +112,8 @@ def _choose_learning_rates(study: Study, log) -> dict[tuple[str, float], float]:
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     """Tables, claims, the two tables README Results quotes (headline, verdicts) and figures from the finished
     arms (the ones in the grid; tuning-only arms are left out)."""
+    if not (study.output_dir / "arms").is_dir():
+        raise StudyError(f"{study.output_dir} holds no arms, so there is nothing to report: run the study first")
     records = collect_arms(study.output_dir / "arms")
     in_grid = {a.name for a in study.arms(read_chosen(study))}
     records = [r for r in records if Arm.from_record(r).name in in_grid]
