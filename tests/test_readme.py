@@ -81,11 +81,12 @@ def test_the_results_tables_are_the_committed_reports_headline_and_verdicts():
 
 
 def _seed_gaps(arms: dict[str, float]) -> set[str]:
-    """Every arm's gap to the sync arm of its optimizer, momentum, learning rate and seed, as printed."""
+    """Every grid arm's gap to the sync arm of its optimizer, momentum, learning rate and seed, as printed
+    (arms are named optimizer-mode-m<momentum>-lr<rate>-s<seed>)."""
     gaps = set()
     for name, loss in arms.items():
-        optimizer, _, rest = name.partition("-")
-        sync = re.sub(r"^.*?(-m[\d.]+-lr[^-]+-s\d+)$", rf"{optimizer}-sync\1", name)
+        optimizer = name.partition("-")[0]
+        sync = re.sub(r"^.*?(-m[\d.]+-lr.+-s\d+)$", rf"{optimizer}-sync\1", name)
         if sync != name and sync in arms:
             gaps.add(f"{loss - arms[sync]:+.3f}")
     return gaps
@@ -98,8 +99,7 @@ def test_the_results_prose_quotes_only_numbers_the_committed_report_gives():
     quoted = re.findall(r"<!-- report: (\S+) -->", _section("Results"))
     report = Path(quoted[0]).parent
     tables = "".join(page.read_text() for page in (REPO / report).glob("*.md")).replace("-", "−")
-    arms = json.loads((REPO / report / "results.json").read_text())["arms"]
-    given = _seed_gaps(arms)
+    given = _seed_gaps(json.loads((REPO / report / "results.json").read_text())["arms"])  # the grid's arms
     stale = [value for value in re.findall(r"[+−-]\d\.\d{3}(?: ± \d\.\d{3})?", prose)
              if value.replace("-", "−") not in tables and value.replace("−", "-") not in given]
     assert not stale, f"README Results quotes {stale}, which {report} does not give"
