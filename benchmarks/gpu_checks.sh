@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's GPU measurements in one command, sized to end within about 9 minutes on one H100 / H200:
 #   1. the machine and the versions it runs                                     -> versions.txt
-#   2. fp32 gradient accumulation under bf16 compute (gpu_bf16_accumulation.py) -> gpu_bf16_accumulation.json
+#   2. a model initialized on the GPU equals one initialized on the CPU, bit for bit (log.txt), and fp32
+#      gradient accumulation under bf16 compute (gpu_bf16_accumulation.py)       -> gpu_bf16_accumulation.json
 #   3. the engine on the GPU: PipeDream-2BW emulated at depth 2 with Muon and Error Feedback on the tiny
 #      MoE, 30 steps (train.py on one process; the emulator computes in fp32)  -> smoke_metrics.jsonl
 #   4. a synchronous stage on the GPU: GPipe at pp 1 under FSDP2's bf16 policy, 20 steps; its
@@ -81,6 +82,7 @@ if [ "$study" = 1 ]; then
   output=$("$PYTHON" -c 'import sys; from hf_asyncpp.study import load_study; print(load_study(sys.argv[1]).output_dir)' "$study_file")
   tar -czf "$results/study.tar.gz" --exclude='checkpoint-*' -C "$(dirname "$output")" "$(basename "$output")"
 else
+  step init_cpu_equals_cuda 120 "$PYTHON" -c "import torch; from hf_asyncpp.models.construct import build_model; from hf_asyncpp.models.presets import build_config; c = build_config('tiny-qwen3-moe'); cpu, cuda = (build_model(c, 0, d).state_dict() for d in ('cpu', 'cuda')); bad = [k for k in cpu if not torch.equal(cpu[k], cuda[k].cpu())]; print('initial weights equal on CPU and CUDA:', not bad, bad[:5]); raise SystemExit(bool(bad))"
   step bf16_accumulation 120 "$PYTHON" benchmarks/gpu_bf16_accumulation.py --out "$results/gpu_bf16_accumulation.json"
   smoke=$(mktemp -d)
   step smoke 180 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \

@@ -6,7 +6,8 @@ model class's own `_init_weights` (which also rebuilds non-persistent buffers su
 frequencies) with the random generator seeded from (seed, the module's name in the full model). A
 tensor's initial value therefore depends on the seed and its name only: every pp/dp layout and stage
 split starts from the same weights, and the whole model built here (`build_model`) is the union of
-the stages. The same seed draws different numbers on CPU and on CUDA (different generators).
+the stages. The numbers are drawn by the CPU's generator whatever the device (a module's tensors are
+initialized on CPU copies, then copied to it), so a seed gives the same weights on CPU and on GPUs.
 
 With `init_from` (an HF model directory of safetensors, one file or sharded with an index), the
 stages are then loaded by transformers' own loader (`convert_and_load_state_dict_in_model`, which
@@ -59,21 +60,40 @@ def _post_order(module: nn.Module, prefix: str = ""):
     yield prefix, module
 
 
+@contextlib.contextmanager
+def _drawn_on_cpu(module: nn.Module, always: bool = False):
+    """While `module` is initialized, its own tensors off the CPU are CPU copies, copied back into the
+    originals afterwards: CUDA's generator draws other numbers than the CPU's for the same seed.
+    `always` copies CPU tensors too (how a CPU-only test takes the path a GPU's tensors take)."""
+    placed = []  # (the module's slots, a key, the original tensor)
+    for slots in (module._parameters, module._buffers):
+        for key, tensor in slots.items():
+            if tensor is not None and (always or tensor.device.type != "cpu"):
+                placed.append((slots, key, tensor))
+                copy = tensor.detach().to("cpu", copy=True)
+                slots[key] = nn.Parameter(copy, tensor.requires_grad) if slots is module._parameters else copy
+    try:
+        yield
+    finally:
+        for slots, key, tensor in placed:
+            tensor.copy_(slots[key])
+            slots[key] = tensor
+
+
 @torch.no_grad()
 def _initialize(causal_lm: nn.Module, seed: int) -> None:
-    """Initialize every module of `causal_lm` whose own tensors are materialized (the rest is meta)."""
+    """Initialize every module of `causal_lm` whose own tensors are materialized (the rest is meta),
+    drawing on the CPU."""
     cpu_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         for name, module in _post_order(causal_lm):
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             if own and not any(t.is_meta for t in own):
                 torch.manual_seed(module_seed(seed, name))
-                causal_lm._init_weights(module)
+                with _drawn_on_cpu(module):
+                    causal_lm._init_weights(module)
     finally:  # the caller's random stream is left as it was
         torch.set_rng_state(cpu_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
 
 
 def build_stages(model_config, plan: StagePlan, stage_indices: list[int], device: torch.device | str,

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_asyncpp.models import PRESETS, build_stages, plan_stages
+from hf_asyncpp.models import construct
 from hf_asyncpp.models.construct import build_model, meta_model
 from tests.test_engine import small_model_config
 
@@ -77,6 +78,32 @@ def test_initialization_follows_the_model_class_and_leaves_the_callers_random_st
         weight = dict(model.named_parameters())[name]
         assert abs(weight.std().item() - std) < 0.15 * std, name  # normal(0, initializer_range)
     assert torch.equal(model.model.layers[0].input_layernorm.weight, torch.ones(config.hidden_size))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_tensors_off_the_cpu_are_initialized_through_cpu_copies_with_the_cpu_draws(preset, monkeypatch):
+    """A GPU's tensors are initialized as CPU copies and copied back, so the CPU generator draws the same
+    numbers for every device. Here every tensor takes that path (all of them are on the CPU): the
+    stages, poisoned with NaN when allocated, come out bitwise the directly initialized model's, and
+    every parameter is still the object the stage was built with."""
+    config = small_model_config(preset)
+    direct = dict(build_model(config, seed=5).state_dict())
+    drawn_on_cpu = construct._drawn_on_cpu
+    monkeypatch.setattr(construct, "_drawn_on_cpu", lambda module: drawn_on_cpu(module, always=True))
+    _poisoned_to_empty(monkeypatch)
+    built = []
+    original_initialize = construct._initialize
+
+    def initialize(causal_lm, seed):  # the parameters as allocated, before initialization
+        built.extend((name, id(p)) for name, p in causal_lm.named_parameters())
+        original_initialize(causal_lm, seed)
+
+    monkeypatch.setattr(construct, "_initialize", initialize)
+    stages = build_stages(config, plan_stages(config, 2), [0, 1], "cpu", seed=5)
+    after = {name: p for stage in stages for name, p in stage.named_parameters()}
+    for name, tensor in [(n, t) for stage in stages for n, t in stage.state_dict().items()]:
+        assert torch.equal(tensor, direct[name]), f"{preset}: {name} differs from the direct initialization"
+    assert all(id(after[name]) == identity for name, identity in built if name in after)
 
 
 def test_building_a_stage_allocates_only_that_stage():
