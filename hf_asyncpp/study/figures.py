@@ -57,11 +57,10 @@ def _colours(modes) -> dict[str, str]:
     return {"sync": "black", **{mode: matplotlib.colors.to_hex(tab20(i % 20)) for i, mode in enumerate(delayed)}}
 
 
-def _loss_curves(plt, records, arms_dir: Path, out: Path) -> Path:
+def _loss_curves(plt, records, arms_dir: Path, colours: dict[str, str], out: Path) -> Path:
     optimizers = sorted({r["arm"]["optimizer"] for r in records})
     fig, axes = plt.subplots(1, len(optimizers), figsize=(5 * len(optimizers), 4), squeeze=False)
     momentum0 = min(r["arm"]["momentum"] for r in records)
-    colours = _colours(r["mode"] for r in records)
     for ax, optimizer in zip(axes[0], optimizers):
         curves: dict[tuple[str, float], list[dict[int, float]]] = defaultdict(list)
         for r in records:
@@ -77,7 +76,7 @@ def _loss_curves(plt, records, arms_dir: Path, out: Path) -> Path:
     return _save(plt, fig, out / "loss_curves.png")
 
 
-def _gap_bars(plt, rows, out: Path) -> Path | None:
+def _gap_bars(plt, rows, colours: dict[str, str], out: Path) -> Path | None:
     """A panel per optimizer (their gaps differ by an order of magnitude), a bar per delayed mode."""
     delayed = [r for r in rows if r["mode"] != "sync" and r["gap"] is not None]
     if not delayed:
@@ -85,7 +84,6 @@ def _gap_bars(plt, rows, out: Path) -> Path | None:
     optimizers = sorted({r["optimizer"] for r in delayed})
     bars = sorted({(r["mode"], r["ef_lambda"]) for r in delayed})
     momentum0 = min(r["momentum"] for r in delayed)
-    colours = _colours(mode for mode, _ in bars)
     fig, axes = plt.subplots(1, len(optimizers), figsize=(max(5, 0.45 * len(bars)) * len(optimizers), 4.5),
                              squeeze=False)
     for ax, optimizer in zip(axes[0], optimizers):
@@ -168,6 +166,7 @@ def write_figures(out_dir: Path, rows: list[dict], records: list[dict], main_mod
         return []
     plt = _plt()
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [_loss_curves(plt, records, out_dir / "arms", out_dir), _gap_bars(plt, rows, out_dir),
+    colours = _colours(r["mode"] for r in records)
+    written = [_loss_curves(plt, records, out_dir / "arms", colours, out_dir), _gap_bars(plt, rows, colours, out_dir),
                _gap_vs_momentum(plt, rows, main_mode, out_dir), _gap_vs_depth(plt, rows, out_dir)]
     return [p for p in written if p is not None]
