@@ -15,6 +15,10 @@ by more than the two-sided 95% Student-t bound, t(n − 1) · sd / √n (a paire
   `not reproduced` when the mean is above the bound, `reproduced` when it is not positive, else (a
   positive mean the seeds cannot tell from zero: two seeds rarely can) `not beyond noise`.
 One seed has no spread: the verdict then says only whether the sign agrees (`agrees (1 seed)`).
+
+A sync start, which the reference study lists among its compared baselines without a result, is held to
+the same rule in COMPARISONS (against delays from the first step, and against Error Feedback), apart
+from the claims and the verdicts table.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from .grid import Study, mode_name
 from .results import ef_share, markdown_head, markdown_row, seeds_label, spread
 
-__all__ = ["CLAIMS", "PUBLISHED", "Claim", "Effect", "claims_markdown", "headline_markdown", "verdict",
+__all__ = ["CLAIMS", "COMPARISONS", "PUBLISHED", "Claim", "Effect", "claims_markdown", "headline_markdown", "verdict",
            "verdicts_markdown"]
 
 # The reference study at 360M, dense, PipeDream-2BW: per optimizer, the synchronous run's final validation
@@ -80,8 +84,13 @@ class _Grid:
         self.ef = max(study.ef_lambdas, default=0.0)  # the EF arms the claims read
         main = study.main_delayed_mode()
         self.main = mode_name(*main) if main else None
+        def with_ef(mode) -> bool:
+            return self.ef > 0 and self.ef in study.mode_ef_lambdas(mode)
         # The mode the EF claims read: the main delayed mode, when the grid runs it with EF.
-        self.ef_main = self.main if main and self.ef > 0 and self.ef in study.mode_ef_lambdas(main) else None
+        self.ef_main = self.main if main and with_ef(main) else None
+        # Each sync-start mode with its twin delayed from the first step, and whether the twin runs with EF.
+        self.sync_starts = [(mode_name(*m), mode_name(*twin), with_ef(twin)) for m in study.modes if m[2]
+                            for twin in [(m[0], m[1], 0)] if twin in study.modes]
 
     def mode(self, schedule: str, deepest: bool = False) -> str | None:
         depths = self.depths.get(schedule)
@@ -177,6 +186,19 @@ def _pipedream_against_2bw(g: _Grid) -> list[Effect]:
             for o in g.optimizers for m in g.momentums for a, b in [_common(g.gap(o, pd, m), g.gap(o, bw, m))]]
 
 
+def _sync_start_against_delays(g: _Grid) -> list[Effect]:
+    return [Effect(f"{o}, momentum {m:g}, {twin} − {start}", _paired(a, b), f"{twin} {_mean(a)}, {start} {_mean(b)}")
+            for start, twin, _ in g.sync_starts for o in g.optimizers for m in g.momentums
+            for a, b in [_common(g.gap(o, twin, m), g.gap(o, start, m))]]
+
+
+def _sync_start_against_ef(g: _Grid) -> list[Effect]:
+    return [Effect(f"{o}, momentum {m:g}, {start} − {twin} with EF", _paired(a, b),
+                   f"{start} {_mean(a)}, {twin} with EF {_mean(b)}")
+            for start, twin, with_ef in g.sync_starts if with_ef for o in g.optimizers for m in g.momentums
+            for a, b in [_common(g.gap(o, start, m), g.gap(o, twin, m, g.ef))]]
+
+
 def _published(column: int) -> str:
     return ", ".join(f"{_NAMES[o]} {numbers[column]:+.3f}" for o, numbers in PUBLISHED.items())
 
@@ -215,6 +237,17 @@ CLAIMS = [
           "PipeDream's gap − PipeDream-2BW's, at the largest depth both run", True, _pipedream_against_2bw),
 ]
 
+# Comparisons the reference study reports no result for: it lists a synchronous start among the baselines
+# it compares (docs/studies.md). They follow the claims' rule; "holds" reads its "reproduced".
+COMPARISONS = [
+    Claim("a synchronous start leaves a smaller gap than delays from the first step", "",
+          "the gap delayed from the first step − the gap after a sync start", True, _sync_start_against_delays),
+    Claim("Error Feedback leaves a smaller gap than a synchronous start", "",
+          "the gap after a sync start − the gap delayed from the first step with EF", True, _sync_start_against_ef),
+]
+_COMPARISON_WORDS = {"reproduced": "holds", "agrees (1 seed)": "holds (1 seed)",
+                     "disagrees (1 seed)": "does not hold (1 seed)"}
+
 
 def _tally(verdicts: list[str]) -> str:
     if not verdicts:
@@ -235,11 +268,36 @@ def _effect_range(claim: Claim, effects: list[Effect]) -> str:
     return f"{claim.effect}: {span} ({count})"
 
 
+def _verdict_of(claim: Claim, values: list[float]) -> str:
+    said = verdict(values, claim.expect_positive)
+    return _COMPARISON_WORDS.get(said, said) if claim in COMPARISONS else said
+
+
 def _verdict_rows(measured: list[tuple[Claim, list[Effect]]]) -> list[str]:
-    lines = markdown_head(["claim", "published (360M dense, PipeDream-2BW)", "effect here", "verdicts here"])
+    published = all(claim.published for claim, _ in measured)
+    lines = markdown_head(["claim" if published else "comparison",
+                           *(["published (360M dense, PipeDream-2BW)"] if published else []),
+                           "effect here", "verdicts here"])
     for claim, effects in measured:
-        lines.append(markdown_row([claim.statement, claim.published, _effect_range(claim, effects),
-                                   _tally([verdict(e.values, claim.expect_positive) for e in effects])]))
+        lines.append(markdown_row([claim.statement, *([claim.published] if published else []),
+                                   _effect_range(claim, effects),
+                                   _tally([_verdict_of(claim, e.values) for e in effects])]))
+    return lines
+
+
+def _effect_tables(measured: list[tuple[Claim, list[Effect]]]) -> list[str]:
+    """Each claim's effects, a table of them under its statement."""
+    lines = []
+    for claim, effects in measured:
+        if not effects:
+            continue
+        sign = "> 0" if claim.expect_positive else "not > 0"
+        predicted = f"holds when {sign}" if claim in COMPARISONS else f"predicted {sign}"
+        lines += ["", f"**{claim.statement}**: effect = {claim.effect}, {predicted}", "",
+                  *markdown_head(["compared", "measured (means over the effect's seeds)", "effect", "verdict"])]
+        for e in effects:
+            effect = spread(statistics.fmean(e.values), _std(e.values), len(e.values)) if e.values else "–"
+            lines.append(markdown_row([e.subject, e.measured, effect, _verdict_of(claim, e.values)]))
     return lines
 
 
@@ -251,22 +309,21 @@ def verdicts_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> st
 
 
 def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
-    """claims.md: the verdicts table (verdicts_markdown), then each claim's effects."""
+    """claims.md: the verdicts table (verdicts_markdown), then each claim's effects; then, when the grid
+    runs a sync start, the comparisons no result is published for, the same way."""
     grid = _Grid(study, losses)
     measured = [(claim, claim.effects(grid)) for claim in CLAIMS]
     lines = ["The reference study's claims against this grid's finished arms (rule: hf_asyncpp/study/claims.py).",
              "An effect is a per-seed difference of final validation losses; with several seeds it counts when",
              "its mean exceeds the two-sided 95% Student-t bound of a paired test.", "",
-             *_verdict_rows(measured)]
-    for claim, effects in measured:
-        if not effects:
-            continue
-        predicted = "> 0" if claim.expect_positive else "not > 0"
-        lines += ["", f"**{claim.statement}**: effect = {claim.effect}, predicted {predicted}", "",
-                  *markdown_head(["compared", "measured (means over the effect's seeds)", "effect", "verdict"])]
-        for e in effects:
-            effect = spread(statistics.fmean(e.values), _std(e.values), len(e.values)) if e.values else "–"
-            lines.append(markdown_row([e.subject, e.measured, effect, verdict(e.values, claim.expect_positive)]))
+             *_verdict_rows(measured), *_effect_tables(measured)]
+    compared = [(comparison, effects) for comparison in COMPARISONS
+                for effects in [comparison.effects(grid)] if effects]
+    if compared:
+        lines += ["", "## Sync start: no published result", "",
+                  "The reference study lists a synchronous start among the baselines it compares and reports no",
+                  "result for it. The same rule, its \"reproduced\" read as \"holds\" (\"agrees\" as \"holds\"",
+                  "on one seed):", "", *_verdict_rows(compared), *_effect_tables(compared)]
     return "\n".join(lines) + "\n"
 
 

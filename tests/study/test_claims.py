@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 
 from hf_asyncpp.study import load_study
-from hf_asyncpp.study.claims import CLAIMS, claims_markdown, headline_markdown, verdict, verdicts_markdown
+from hf_asyncpp.study.claims import CLAIMS, COMPARISONS, claims_markdown, headline_markdown, verdict, verdicts_markdown
 from hf_asyncpp.study.grid import Arm
 from hf_asyncpp.study.results import final_losses, results_rows
 from tests.study.test_grid import BASE
@@ -181,3 +181,29 @@ def test_a_headline_cell_counts_seeds_per_value_when_they_differ_and_waits_for_m
     assert muon[3] == "–"
     one_seed = results_rows([r for r in _records() if r["arm"]["seed"] == 0])
     assert _table(headline_markdown(_study(tmp_path), one_seed), "| optimizer |")[1][2] == "3.000, +0.510, +0.210 (1 seed)"
+
+
+def test_a_sync_start_is_compared_with_delays_from_the_first_step_and_with_ef_apart_from_the_claims(tmp_path):
+    """No result is published for a sync start: claims.md compares it under its own heading, by the same
+    rule, and the verdicts table README quotes leaves it out."""
+    study = _study(tmp_path)
+    text = claims_markdown(study, final_losses(_records()))
+    claims, comparisons = text.split("## Sync start: no published result")
+    assert "sync start" not in verdicts_markdown(study, final_losses(_records()))
+    header, *rows = _table(comparisons, "| comparison |")
+    verdicts = {row[0]: row[-1] for row in rows}
+    assert [row[0] for row in rows] == [comparison.statement for comparison in COMPARISONS]
+    # AdamW: delayed from the first step +0.5, after the sync start +0.02, with EF +0.2; Muon has no sync-start arms.
+    assert verdicts["a synchronous start leaves a smaller gap than delays from the first step"] == \
+        "holds: 2; not measured yet: 2"
+    assert verdicts["Error Feedback leaves a smaller gap than a synchronous start"] == "opposite: 2; not measured yet: 2"
+    effect = _table(comparisons, "| compared |")[1]
+    # The noise is the same on both sides of each seed's pair: 0.497 − 0.017 = +0.480 exactly.
+    assert effect == ["adamw, momentum 0.9, pipedream-2bw@2 − pipedream-2bw@2+sync50",
+                      "pipedream-2bw@2 +0.497, pipedream-2bw@2+sync50 +0.017", "+0.480 ± 0.000 (3 seeds)", "holds"]
+    one_seed = [r for r in _records() if r["arm"]["seed"] == 0]
+    assert "| adamw, momentum 0.9, pipedream-2bw@2+sync50 − pipedream-2bw@2 with EF | " \
+           "pipedream-2bw@2+sync50 +0.030, pipedream-2bw@2 with EF +0.210 | -0.180 (1 seed) | does not hold (1 seed) |" \
+        in claims_markdown(study, final_losses(one_seed))
+    no_sync_start = dataclasses.replace(study, modes=[m for m in study.modes if not m[2]])
+    assert "Sync start" not in claims_markdown(no_sync_start, final_losses(_records()))
