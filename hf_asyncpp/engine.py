@@ -232,16 +232,14 @@ class PipelineEngine:
                 counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches, self.layout.dp_group)
         self.step_count += 1
         step_time = time.perf_counter() - start
-        # Per stage the mean over its updates in this step (m of them with per-microbatch updates).
         updates = self.updates
-        grad_sq_norm = sum(sum(norms) / len(norms) for norms in updates.sq_norms.values())
         replica = self.layout.dp_rank == 0  # dp replicas hold the same gradients: one reports them
         reduced = ReducedStepStats(
             self.loss_fn.take(self.config.n_microbatches), self.layout, len(self.plan),
-            grad_sq_norm=grad_sq_norm if replica else None,
+            grad_sq_norm=updates.grad_sq_norm() if replica else None,
             idle_fraction=idle_fraction(busy, step_time),
             version_age_by_stage=updates.ages if replica else {},
-            nonfinite_grad_stages=updates.nonfinite_stages if replica else (),
+            nonfinite_grad_stages=updates.nonfinite_stages() if replica else (),
             skipped_by_stage=updates.skipped if replica else {},
             termination_requested=self.termination.requested,
         )

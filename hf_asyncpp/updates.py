@@ -12,6 +12,11 @@ the stage's first forward on the version it makes, or before the stage's next up
 stage the time for the others' norms to arrive; the cost is one more gradient copy per stage while
 an update is held. `grad_clip_scope: stage` clips each asynchronous stage by its own norm instead,
 and applies its update at once.
+
+A held update reads nothing on the host until it is applied: its squared norm stays a device tensor
+through the all-reduce, and what the step reports of it (the norm, the stages whose gradient was
+non-finite) is read at the step's end, when the step's compute has finished anyway. On a GPU the host
+can then queue the next forward while the backward still runs, instead of waiting for it there.
 """
 
 from __future__ import annotations
@@ -70,25 +75,43 @@ class Updates:
         self.start_step()
 
     def start_step(self) -> None:
-        self.sq_norms: dict[int, list[float]] = {}
+        self._sq_norms: dict[int, list[torch.Tensor]] = {}  # per updater's stage, each update's squared norm
+        self._stage_sq_norms: list[tuple[int, torch.Tensor]] = []  # (stage, its squared norm) per update
         self.ages: dict[int, int] = {}
         self.skipped: dict[int, int] = {}
-        self.nonfinite_stages: set[int] = set()
+
+    # --- what a step reports (host reads: call at the step's end) ------------------------------------
+
+    def grad_sq_norm(self) -> float:
+        """The squared gradient norm this rank reports for the step: per updater the mean over its
+        updates (m of them with per-microbatch updates), summed."""
+        means = []
+        for norms in self._sq_norms.values():
+            values = torch.stack(norms).tolist()
+            means.append(sum(values) / len(values))
+        return sum(means)
+
+    def nonfinite_stages(self) -> set[int]:
+        """The stages whose gradient was non-finite in an update of the step."""
+        if not self._stage_sq_norms:
+            return set()
+        finite = torch.isfinite(torch.stack([squared for _, squared in self._stage_sq_norms])).tolist()
+        return {stage for (stage, _), ok in zip(self._stage_sq_norms, finite) if not ok}
 
     # --- the three ways to a norm ----------------------------------------------------------------
 
     def apply_synchronous(self, updater: Updater) -> bool:
         """A synchronous step: the norm over this rank's stages and, all-reduced, the pipeline's."""
-        squared = torch.tensor(self._prepare(updater), dtype=torch.float64)
+        squared = self._prepare(updater)
         if self.layout.pp_size > 1:
-            squared = squared.to(self.layout.device)
+            squared = squared.to(self.layout.device, copy=True)  # the recorded value stays this rank's
             dist.all_reduce(squared, group=self.layout.pp_group)
         return self.step(updater, squared.sqrt().item())
 
     def apply_together(self, updaters: list[Updater], steppers: list) -> list[bool]:
         """Stages emulated in one process, each through its own stepper: clipped by the norm of all of
         them (or each by its own); returns which were applied."""
-        squared = [self._prepare(updater) for updater in updaters]
+        squared = torch.stack([self._prepare(updater) for updater in updaters]).tolist()
         norms = [math.sqrt(sum(squared))] * len(updaters) if self.global_norm else [math.sqrt(s) for s in squared]
         return [self.step(u, norm, stepper) for u, norm, stepper in zip(updaters, norms, steppers)]
 
@@ -100,12 +123,12 @@ class Updates:
                                f"{self._held[index].unit} is still held: complete it first")
         squared = self._prepare(updater)
         if not (self.global_norm and self.layout.pp_size > 1):
-            apply(math.sqrt(squared))
+            apply(squared.sqrt().item())
             return
         if len(self.modules) > 1:  # config_checks refuses it first, naming the order's deadlock
             raise RuntimeError("clipping by the global norm all-reduces one norm per update on each rank: it needs "
                                "one stage per rank (grad_clip_scope: stage clips each stage by its own)")
-        total = torch.tensor([squared], dtype=torch.float64, device=self.layout.device)
+        total = squared.to(self.layout.device, copy=True).reshape(1)  # the recorded value stays this rank's
         work = dist.all_reduce(total, group=self.layout.norm_pp_group, async_op=True)
         self._held[index] = _Held(unit, total, work, apply)
 
@@ -126,9 +149,10 @@ class Updates:
 
     # --- the update --------------------------------------------------------------------------------
 
-    def _prepare(self, updater: Updater) -> float:
-        """Average the gradients over dp; this rank's squared norm of them (recorded per stage, and
-        the stages whose gradient is non-finite). dp replicas then hold the same gradient."""
+    def _prepare(self, updater: Updater) -> torch.Tensor:
+        """Average the gradients over dp; this rank's squared norm of them, a float64 scalar on the
+        gradients' device that nothing has read on the host (recorded per stage for the step's report).
+        dp replicas then hold the same gradient."""
         if not self.gradients_averaged:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in updater.params]
             flat = torch._utils._flatten_dense_tensors(grads)
@@ -136,18 +160,20 @@ class Updates:
             flat /= self.layout.dp_size
             for p, synced in zip(updater.params, torch._utils._unflatten_dense_tensors(flat, grads)):
                 p.grad = synced
-        squared = torch.zeros((), dtype=torch.float64)
+        squared = None
         for index in updater.module_indices:
             grads = [p.grad for p in self.modules[index].parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+            if not grads:
+                norm = torch.zeros((), device=self.layout.device)
+            else:
+                norm = torch.nn.utils.get_total_norm(grads, foreach=True)
             if isinstance(norm, DTensor):  # sharded gradients: the norm over all dp shards
                 norm = norm.full_tensor()
-            stage_squared = norm.double().cpu() ** 2
-            if not torch.isfinite(stage_squared):
-                self.nonfinite_stages.add(self.stage_ids[index])
-            squared = squared + stage_squared
-        self.sq_norms.setdefault(updater.stage, []).append(squared.item())
-        return squared.item()
+            stage_squared = norm.double() ** 2
+            self._stage_sq_norms.append((self.stage_ids[index], stage_squared))
+            squared = stage_squared if squared is None else squared + stage_squared
+        self._sq_norms.setdefault(updater.stage, []).append(squared)
+        return squared
 
     def step(self, updater: Updater, norm: float, stepper=None) -> bool:
         """Clip to max_grad_norm by `norm` and step the optimizer (through `stepper`: the emulator's,
