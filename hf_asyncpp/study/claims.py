@@ -214,6 +214,11 @@ class Claim:
     expect_positive: bool  # the claim predicts its effects > 0 (else: not > 0)
     effects: Callable[[_Grid], list[Effect]]
 
+    @property
+    def unpublished(self) -> bool:
+        """A comparison without a published result (COMPARISONS): its verdicts read "holds"."""
+        return not self.published
+
 
 CLAIMS = [
     Claim("a one-step delay costs AdamW far more than Muon and SOAP",
@@ -270,11 +275,12 @@ def _effect_range(claim: Claim, effects: list[Effect]) -> str:
 
 def _verdict_of(claim: Claim, values: list[float]) -> str:
     said = verdict(values, claim.expect_positive)
-    return _COMPARISON_WORDS.get(said, said) if claim in COMPARISONS else said
+    return _COMPARISON_WORDS.get(said, said) if claim.unpublished else said
 
 
 def _verdict_rows(measured: list[tuple[Claim, list[Effect]]]) -> list[str]:
-    published = all(claim.published for claim, _ in measured)
+    """The verdicts table: a line per claim (or per comparison, without the published column)."""
+    published = not any(claim.unpublished for claim, _ in measured)
     lines = markdown_head(["claim" if published else "comparison",
                            *(["published (360M dense, PipeDream-2BW)"] if published else []),
                            "effect here", "verdicts here"])
@@ -292,7 +298,7 @@ def _effect_tables(measured: list[tuple[Claim, list[Effect]]]) -> list[str]:
         if not effects:
             continue
         sign = "> 0" if claim.expect_positive else "not > 0"
-        predicted = f"holds when {sign}" if claim in COMPARISONS else f"predicted {sign}"
+        predicted = f"holds when {sign}" if claim.unpublished else f"predicted {sign}"
         lines += ["", f"**{claim.statement}**: effect = {claim.effect}, {predicted}", "",
                   *markdown_head(["compared", "measured (means over the effect's seeds)", "effect", "verdict"])]
         for e in effects:
