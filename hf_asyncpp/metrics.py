@@ -134,23 +134,25 @@ class ReducedStepStats:
 
         world_size = layout.world_size
         self._world_size, self._n_stages = world_size, n_stages
-        self._vector = torch.zeros(self._HEAD + world_size + 3 * n_stages, dtype=torch.float64, device=layout.device)
-        for lm, aux in loss_records:
-            lm, aux = lm.double().item(), aux.double().item()
-            self._vector[0] += lm
-            self._vector[1] += aux
-            self._vector[2] += 1
-            self._vector[4] += not (math.isfinite(lm) and math.isfinite(aux))
-        self._vector[3] = grad_sq_norm or 0.0
-        self._vector[5] = float(termination_requested)
-        self._vector[self._HEAD + layout.rank] = idle_fraction
+        # Filled on the host (the losses read in one transfer), then one copy to the device.
+        v = [0.0] * (self._HEAD + world_size + 3 * n_stages)
+        losses = torch.stack([t.double() for pair in loss_records for t in pair]).tolist() if loss_records else []
+        for lm, aux in zip(losses[0::2], losses[1::2]):
+            v[0] += lm
+            v[1] += aux
+            v[2] += 1
+            v[4] += not (math.isfinite(lm) and math.isfinite(aux))
+        v[3] = grad_sq_norm or 0.0
+        v[5] = float(termination_requested)
+        v[self._HEAD + layout.rank] = idle_fraction
         per_stage = self._HEAD + world_size
         for stage, age in (version_age_by_stage or {}).items():
-            self._vector[per_stage + stage] = age
+            v[per_stage + stage] = age
         for stage in nonfinite_grad_stages:
-            self._vector[per_stage + n_stages + stage] = 1
+            v[per_stage + n_stages + stage] = 1
         for stage, count in (skipped_by_stage or {}).items():
-            self._vector[per_stage + 2 * n_stages + stage] = count
+            v[per_stage + 2 * n_stages + stage] = count
+        self._vector = torch.tensor(v, dtype=torch.float64, device=layout.device)
         self._work = dist.all_reduce(self._vector, async_op=True)
         self._values: dict | None = None
 
