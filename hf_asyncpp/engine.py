@@ -25,6 +25,7 @@ from .memory import state_bytes
 from .metrics import ComputeTimer, ReducedStepStats, StepResult, idle_fraction
 from .models import build_model, build_stage_modules, build_stages, plan_stages
 from .models.split import release_foreign_modules
+from .models.stage_io import stage_io
 from .models.construct import has_safetensors
 from .models.compile import compile_layers
 from .models.recompute import apply_activation_checkpointing
@@ -112,10 +113,10 @@ class PipelineEngine:
              for mod, s in zip(self.modules, self.stage_ids)]
             if order and not emulating else []
         )
-        self.stages = [] if emulating else [
-            PipelineStage(submod, s, n_stages, layout.device, group=layout.pp_group)
-            for submod, s in zip(self.versioned or self.modules, self.stage_ids)
-        ]
+        # Every stage's inputs and outputs, known up front (models/stage_io.py): no metadata round.
+        self._stage_io = [] if emulating else stage_io(model_config, self.plan, config.micro_batch_size, config.seq_len,
+                                                       dtype)
+        self.stages = [] if emulating else self._pipeline_stages(layout.pp_group)
         # Each pair of neighbouring ranks talks on its own group (its own NCCL stream): mesh.link_groups.
         links = (link_groups(layout, self.spec.rank_pairs(layout.pp_size), asynchronous=order is not None)
                  if self.stages else None)
@@ -146,6 +147,11 @@ class PipelineEngine:
         self._eval_schedule = None  # asynchronous pipelines: a forward-only program, built at the first evaluation
         self.step_count = 0
         self.last_step = config.max_steps  # the run's final step count (stop_after may bring it forward)
+
+    def _pipeline_stages(self, group) -> list[PipelineStage]:
+        """torch's PipelineStage of each local stage on `group`, told its inputs and outputs."""
+        return [PipelineStage(submod, s, len(self.plan), self.layout.device, *self._stage_io[s], group=group)
+                for submod, s in zip(self.versioned or self.modules, self.stage_ids)]
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -313,8 +319,7 @@ class PipelineEngine:
             # Its own stages, loss and process group: the training runtime's state and its messages
             # in flight are untouched (NCCL would match an evaluation receive to a training send).
             self._eval_loss_fn = PipelineLoss(self.loss_fn.vocab_size, self.loss_fn.aux_coef)
-            stages = [PipelineStage(v, s, len(self.plan), self.layout.device, group=self.layout.eval_pp_group)
-                      for v, s in zip(self.versioned, self.stage_ids)]
+            stages = self._pipeline_stages(self.layout.eval_pp_group)
             self._eval_schedule = build_eval_schedule(stages, self.config.n_microbatches, self._eval_loss_fn)
         with contextlib.ExitStack() as masters:
             for versioned in self.versioned:

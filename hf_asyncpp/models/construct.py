@@ -27,6 +27,7 @@ import json
 import os
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily  # pinned: tests/schedules/test_torch_internals.py
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -48,8 +49,10 @@ def module_seed(seed: int, name: str) -> int:
 
 
 def meta_model(model_config) -> nn.Module:
-    """The HF causal LM of `model_config` on the meta device (fp32 master weights, nothing allocated)."""
-    with torch.device("meta"):
+    """The HF causal LM of `model_config` on the meta device (fp32 master weights, nothing allocated).
+    Real meta tensors even under a fake tensor mode (a memory plan, plan.py): a module moves from
+    them into fake ones with `to_empty`, where fake meta parameters could not be swapped out."""
+    with unset_fake_temporarily(), torch.device("meta"):
         return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
 

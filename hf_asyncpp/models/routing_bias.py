@@ -65,9 +65,11 @@ class RoutingLoadCounter:
     def _record(self, router, args, output):
         if (self._only_microbatches and not self._in_microbatch) or is_recomputing():
             return
-        top_k_indices = output[2]
-        counts = torch.bincount(top_k_indices.reshape(-1), minlength=router.num_experts)
-        self._calls[id(router)].append(counts.to(torch.float64))
+        chosen = output[2].reshape(-1)
+        # A fixed number of bins, exact in float64: bincount's output length depends on the values,
+        # which the device cannot know without telling the host (a sync per forward).
+        counts = chosen.new_zeros(router.num_experts, dtype=torch.float64)
+        self._calls[id(router)].append(counts.index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64)))
 
     def count_only_microbatches_of(self, stage) -> None:
         """From now on count only the forwards torch's PipelineStage `stage` (whose submodule holds

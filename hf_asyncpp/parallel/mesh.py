@@ -121,8 +121,9 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         # norm group's too, so its first all-reduce, mid-step, does not set one up).
         for group in (mesh.get_group("pp"), eval_pp_group, norm_pp_group):
             dist.barrier(group=group)
-    io_group = dist.new_group(backend="gloo", timeout=max(IO_TIMEOUT, timeout))
-    io_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=max(IO_TIMEOUT, timeout), backend="gloo")
+    io_backend = _io_backend()
+    io_group = dist.new_group(backend=io_backend, timeout=max(IO_TIMEOUT, timeout))
+    io_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=max(IO_TIMEOUT, timeout), backend=io_backend)
     # Set up: from now on a peer that does not answer within comm_timeout_s is dead or stalled. (The
     # default group was made with the start-up timeout, the mesh's with torch's default; they carry
     # collectives only, which take the timeout set now.)
@@ -142,6 +143,12 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         io_pp_group=io_pp_group,
         timeout=timeout,
     )
+
+
+def _io_backend() -> str:
+    """gloo for the I/O groups, whatever the training backend; under a fake process group (a memory
+    plan, plan.py: one process plays one rank of the real world size) every group is fake."""
+    return "fake" if dist.get_backend() == "fake" else "gloo"
 
 
 def _bound_collectives(groups, timeout: timedelta) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import (
     FORWARD,
     FULL_BACKWARD,
@@ -57,6 +58,16 @@ class ProgramRuntime(_PipelineScheduleRuntime):
         self._programs_run = 0
         # (the program run that posted it, the batch) for posted batches holding sends, not yet known complete
         self._send_works: list[tuple[int, _PostedBatch]] = []
+
+    def _warmup_p2p(self, stages, has_backward: bool, p2p_done: bool) -> None:
+        """Every stage was given its inputs and outputs (models/stage_io.py), so torch's metadata is
+        static on every rank: its vote on that (a message through the whole pipeline and back, then a
+        host read of the result) is not needed. Overrides torch's private hook (pinned:
+        tests/schedules/test_torch_internals.py)."""
+        for stage in stages:
+            if not stage._user_meta.is_complete_for_forward():
+                raise RuntimeError(f"stage {stage.stage_index} was built without its inputs and outputs")
+            stage._inference_mode = InferenceMode.STATIC
 
     def _lowered(self, program, slot: Callable[[int], int] = lambda j: j) -> tuple[list[_Action], list[tuple]]:
         """(torch's action list for `program`, its batches): a batch's operations stand in the list

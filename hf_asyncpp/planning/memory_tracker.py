@@ -1,0 +1,95 @@
+"""The peak of live tensor memory of one process, and what it held at that peak.
+
+Every storage an operator creates is seen by a dispatch mode (fake tensors too: their storages have
+sizes but no memory) and followed until it is freed. The allocations and frees form one log; the peak
+is a point in that log, and the storages live there are named afterwards by what they were labelled
+while they lived (`label`: master weights, weight versions, gradients, optimizer state, ...). Storages
+never labelled are what the microbatches held between operators (activations, created during a
+forward) or what an operator needed for itself (temporaries, created anywhere else).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["MemoryTracker"]
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Enter it (above a FakeTensorMode, if any) around the code to measure; `track` the tensors that
+    exist already (parameters built before), `label` live tensors by kind whenever they are at hand."""
+
+    def __init__(self):
+        super().__init__()
+        self._ids = WeakIdKeyDictionary()  # storage → its id here
+        self._bytes: dict[int, int] = {}  # id → bytes
+        self._label: dict[int, str] = {}  # id → kind, last labelled
+        self._born_in_forward: set[int] = set()
+        self._log: list[int] = []  # +id allocated, -id freed (ids start at 1)
+        self.live_bytes = self.peak_bytes = 0
+        self._peak_at = 0  # log length at the peak
+        self.in_forward = 0  # > 0 while a stage's forward runs (the caller's hooks count it)
+
+    # --- following storages -----------------------------------------------------------------------
+
+    def _storage_id(self, t: torch.Tensor) -> int | None:
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor holds its shard
+        if local.device.type == "meta":
+            return None
+        storage = local.untyped_storage()
+        known = self._ids.get(storage)
+        if known is not None:
+            return known
+        sid = len(self._bytes) + 1
+        self._ids[storage] = sid
+        self._bytes[sid] = storage.nbytes()
+        if self.in_forward:
+            self._born_in_forward.add(sid)
+        self._log.append(sid)
+        self.live_bytes += self._bytes[sid]
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self._peak_at = self.live_bytes, len(self._log)
+        weakref.finalize(storage, self._freed, sid)
+        return sid
+
+    def _freed(self, sid: int) -> None:
+        self._log.append(-sid)
+        self.live_bytes -= self._bytes[sid]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._storage_id(t)
+        return out
+
+    def track(self, tensors: Iterable[torch.Tensor], kind: str | None = None) -> None:
+        """Follow (and label) tensors made before the tracker was entered."""
+        for t in tensors:
+            sid = self._storage_id(t)
+            if sid is not None and kind is not None:
+                self._label[sid] = kind
+
+    label = track  # a live tensor is followed already; labelling it names its storage
+
+    # --- the peak ---------------------------------------------------------------------------------
+
+    def peak_parts(self) -> dict[str, int]:
+        """{kind: bytes} of the storages live at the peak."""
+        live: set[int] = set()
+        for event in self._log[: self._peak_at]:
+            if event > 0:
+                live.add(event)
+            else:
+                live.discard(-event)
+        parts: dict[str, int] = {}
+        for sid in live:
+            kind = self._label.get(sid) or ("activations" if sid in self._born_in_forward else "temporaries")
+            parts[kind] = parts.get(kind, 0) + self._bytes[sid]
+        return parts

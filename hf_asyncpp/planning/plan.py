@@ -1,0 +1,144 @@
+"""`hf-asyncpp plan`: each rank's peak device memory, measured by playing the real runtime on fake tensors.
+
+For each pipeline rank of the layout, one process plays that rank: a fake process group of the real
+world size (every collective and message returns at once, with no peer), fake tensors (shapes, dtypes
+and every allocation real, no memory), and the engine the run would build — this rank's stages, the
+compute policy, FSDP2 over dp, weight versions, optimizer, Error Feedback, activation checkpointing —
+through start-up and three training steps of its schedule (the first one warms up: optimizer state
+and receive buffers appear; the next two are steady). `MemoryTracker` follows every tensor it creates
+and reports the peak of live bytes and what was live then; `HostReads` counts reads of tensor values
+by the host through the steady steps. dp replicas of a stage hold the same amounts: one is played.
+
+Bytes do not depend on the device, so fake CPU tensors stand for GPU ones. What only a GPU shows —
+the CUDA context, NCCL's buffers, the caching allocator's fragmentation, kernels' workspaces — is
+outside the measurement: `ALLOWANCE_GIB` is kept free for it when judging whether a rank fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from .host_reads import HostReads
+from .memory_tracker import MemoryTracker
+
+__all__ = ["ALLOWANCE_GIB", "KINDS", "plan_layout", "plan_rank"]
+
+ALLOWANCE_GIB = 6.0  # CUDA context (~0.5-1 GiB), NCCL communicators and buffers, allocator fragmentation
+GiB = 2**30
+STEPS = 3  # one to warm up, two steady
+# The kinds of a rank's memory at its peak, in the order they are reported.
+KINDS = ("parameters", "weight_versions", "compute_copies", "gradients", "optimizer_state", "ef_buffers",
+         "receive_buffers", "activations", "temporaries")
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _label_state(tracker: MemoryTracker, engine) -> None:
+    """Name every kind of state the engine holds now (called while it runs, as often as it helps)."""
+    for updater in engine.updaters:
+        tracker.label(_tensors(v for s in updater.optimizer.state.values() for v in s.values()), "optimizer_state")
+        tracker.label(_tensors(getattr(updater.stepper, "previous_update", {}).values()), "ef_buffers")
+    for stage in engine.stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            tracker.label(_tensors(getattr(info, "buffer", None) for info in infos), "receive_buffers")
+    for versioned in engine.versioned:
+        tracker.label(_tensors(t for c in versioned.live_compute_copies() for t in c.values()), "compute_copies")
+        tracker.label(_tensors(t for b in versioned.buffers_ for t in b.values()), "weight_versions")
+    tracker.label(_tensors(p.grad for p in engine.params), "gradients")
+    tracker.label(engine.params, "parameters")  # last: the master is also one of the version buffers
+
+
+def _hooks(tracker: MemoryTracker, engine) -> list:
+    """Label state at each stage forward and each optimizer step; mark forwards (activations)."""
+    def enter(*_):
+        tracker.in_forward += 1
+        _label_state(tracker, engine)
+
+    def leave(*_):
+        tracker.in_forward -= 1
+
+    handles = []
+    for module in engine.modules:
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    for updater in engine.updaters:
+        label = lambda *_: _label_state(tracker, engine)  # noqa: E731
+        handles += [updater.optimizer.register_step_pre_hook(label), updater.optimizer.register_step_post_hook(label)]
+    return handles
+
+
+def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
+    """Play `rank` of a `world_size` layout of `config` on fake tensors: its peak and host reads."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # pinned: tests/schedules/test_torch_internals.py
+
+    from ..engine import PipelineEngine
+    from ..models.fake_kernels import register_fake_kernels
+    from ..parallel.launch import LaunchInfo
+    from ..parallel.mesh import init_parallel, shutdown_parallel
+
+    register_fake_kernels()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        layout = init_parallel(LaunchInfo(world_size, rank, rank, launched=True), config.pp_size)
+        tracker, reads = MemoryTracker(), HostReads()
+        m, rows = config.n_microbatches, config.micro_batch_size * config.n_microbatches
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker, reads:
+            engine = PipelineEngine(config, model_config, layout)
+            handles = _hooks(tracker, engine)
+            tokens = torch.zeros(rows, config.seq_len, dtype=torch.long)
+            per_step = []
+            for step in range(STEPS):
+                reads.take()
+                engine.train_step(tokens, tokens if engine.forwards_ahead else None)
+                per_step.append(reads.take())
+            _label_state(tracker, engine)
+            for handle in handles:
+                handle.remove()
+        steady = per_step[1:]
+        parts = tracker.peak_parts()
+        sites = sorted({site for s in steady for site in s})
+        return {
+            "rank": rank, "pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "stages": engine.stage_ids,
+            "peak_bytes": tracker.peak_bytes,
+            **{f"{kind}_bytes": parts.get(kind, 0) for kind in KINDS},
+            "host_reads_per_step": max(sum(s.values()) for s in steady),
+            "host_reads_per_microbatch": max(sum(s.values()) for s in steady) / m,
+            "host_read_sites": {site: max(s[site] for s in steady) for site in sites},
+        }
+    finally:
+        shutdown_parallel(peers_alive=False)
+        dist.destroy_process_group() if dist.is_initialized() else None
+
+
+def planned_config(config):
+    """The run as a GPU would make it: the compute dtype `auto` picks there, no weights read (they
+    take the same bytes as initialized ones)."""
+    from ..parallel.fsdp import compute_dtype
+
+    dtype = compute_dtype(config.mixed_precision, torch.device("cuda"), config.fsdp)
+    return replace(config, mixed_precision="bf16" if dtype == torch.bfloat16 else "no", init_from=None)
+
+
+def _plan_rank_in_fresh_process(config, model_config, world_size: int, rank: int) -> dict:
+    # torch keeps process groups and meshes in module state: one rank per process.
+    return plan_rank(config, model_config, world_size, rank)
+
+
+def plan_layout(config, model_config, world_size: int, processes: int = 2) -> list[dict]:
+    """Every rank's plan (dp replicas of a stage copy the one played), in rank order; pipeline ranks
+    are played in `processes` fresh processes at a time."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    config = planned_config(config)
+    dp = world_size // config.pp_size
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        futures = {pp: pool.submit(_plan_rank_in_fresh_process, config, model_config, world_size, pp * dp)
+                   for pp in range(config.pp_size)}
+        played = {pp: future.result() for pp, future in futures.items()}
+    return [dict(played[r // dp], rank=r, dp_rank=r % dp) for r in range(world_size)]
