@@ -143,7 +143,10 @@ class PipelineEngine:
         self._unfinished: list[ReducedStepStats] = []
         self.guard = NonFiniteGuard(config.nonfinite_policy, config.nonfinite_skip_limit, n_stages - 1)
         self.termination = TerminationRequest()  # the loop installs its SIGTERM handler
-        self._awaiting_review: tuple[int, ReducedStepStats] | None = None  # the last step, reviewed at the next
+        # Steps not yet reviewed, oldest first: each is reviewed at the next step's end, or where an update
+        # may be decided after its step's report (held for the global norm), at the end of the one after.
+        self._awaiting_review: list[tuple[int, ReducedStepStats]] = []
+        self._review_lag = 2 if self.versioned and self.updates.holds_for_global_norm else 1
         self._eval_schedule = None  # asynchronous pipelines: a forward-only program, built at the first evaluation
         self.step_count = 0
         self.last_step = config.max_steps  # the run's final step count (stop_after may bring it forward)
@@ -240,26 +243,33 @@ class PipelineEngine:
         step_time = time.perf_counter() - start
         updates = self.updates
         replica = self.layout.dp_rank == 0  # dp replicas hold the same gradients: one reports them
+        skipped, skipped_earlier = updates.take_skipped()
         reduced = ReducedStepStats(
             self.loss_fn.take(self.config.n_microbatches), self.layout, len(self.plan),
             grad_sq_norm=updates.grad_sq_norm() if replica else None,
             idle_fraction=idle_fraction(busy, step_time),
             version_age_by_stage=updates.ages if replica else {},
             nonfinite_grad_stages=updates.nonfinite_stages() if replica else (),
-            skipped_by_stage=updates.skipped if replica else {},
+            skipped_by_stage=skipped if replica else {},
             termination_requested=self.termination.requested,
+            skipped_earlier_by_stage=skipped_earlier if replica else {},
         )
         self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]
-        # The previous step's reduction has finished on every rank by now: decide on what it reports.
-        previous, self._awaiting_review = self._awaiting_review, (self.step_count, reduced)
-        terminate = self._review(*previous) if previous else False
+        # The previous steps' reductions have finished on every rank by now: decide on what they report.
+        previous = self._awaiting_review[-1][1] if self._awaiting_review else None
+        self._awaiting_review.append((self.step_count, reduced))
+        self._review(keep=self._review_lag)
+        terminate = previous.value("termination_requested") if previous else False
         return StepResult(self.step_count, lr, rows.numel() * self.layout.dp_size, step_time, busy, reduced, terminate)
 
-    def _review(self, step: int, reduced: ReducedStepStats) -> bool:
-        """Apply the non-finite policy to step `step` (raises NonFiniteError to stop); returns whether
-        any rank was asked to terminate by then. Identical on every rank: it reads the all-reduce."""
-        self.guard.review(step, reduced)
-        return reduced.value("termination_requested")
+    def _review(self, keep: int = 0) -> None:
+        """Apply the non-finite policy (raises NonFiniteError to stop) to the steps awaiting review but
+        the newest `keep`, each with the next step's statistics, which carry the outcome of its updates
+        decided after its report. Identical on every rank: it reads the all-reduces."""
+        while len(self._awaiting_review) > keep:
+            step, reduced = self._awaiting_review.pop(0)
+            later = self._awaiting_review[0][1] if self._awaiting_review and self._review_lag > 1 else None
+            self.guard.review(step, reduced, later)
 
     @property
     def forwards_ahead(self) -> bool:
@@ -294,9 +304,7 @@ class PipelineEngine:
         for reduced in self._unfinished:
             reduced.value("loss")
         self._unfinished = []
-        if self._awaiting_review:
-            previous, self._awaiting_review = self._awaiting_review, None
-            self._review(*previous)
+        self._review()
 
     @torch.no_grad()
     def eval_step(self, rows: torch.Tensor, return_logits: bool = False) -> tuple[float, float, torch.Tensor | None]:

@@ -114,7 +114,7 @@ class ReducedStepStats:
 
     Layout: [LM-loss sum, aux-loss sum, microbatch count, squared gradient norm, microbatches with a
     non-finite loss, termination requests, idle_0 … idle_{W−1}, then per stage: weight-version age,
-    non-finite gradient (0/1), skipped updates]. The last-stage ranks contribute losses, the dp-rank-0
+    non-finite gradient (0/1), skipped updates, of them those of an earlier step's gradient]. The last-stage ranks contribute losses, the dp-rank-0
     replica of every stage its squared norm and its stages' ages and gradient findings (replicas hold
     the same averaged gradient), every rank its idle fraction and whether it was asked to terminate.
     `value()` waits for the reduction, which by then has usually long finished; nothing else does, so
@@ -126,7 +126,7 @@ class ReducedStepStats:
     def __init__(self, loss_records, layout, n_stages: int, grad_sq_norm: float | None = None,
                  idle_fraction: float = 0.0, version_age_by_stage: dict[int, int] | None = None,
                  nonfinite_grad_stages=(), skipped_by_stage: dict[int, int] | None = None,
-                 termination_requested: bool = False):
+                 termination_requested: bool = False, skipped_earlier_by_stage: dict[int, int] | None = None):
         import math
 
         import torch
@@ -135,7 +135,7 @@ class ReducedStepStats:
         world_size = layout.world_size
         self._world_size, self._n_stages = world_size, n_stages
         # Filled on the host (the losses read in one transfer), then one copy to the device.
-        v = [0.0] * (self._HEAD + world_size + 3 * n_stages)
+        v = [0.0] * (self._HEAD + world_size + 4 * n_stages)
         losses = torch.stack([t.double() for pair in loss_records for t in pair]).tolist() if loss_records else []
         for lm, aux in zip(losses[0::2], losses[1::2]):
             v[0] += lm
@@ -152,6 +152,8 @@ class ReducedStepStats:
             v[per_stage + n_stages + stage] = 1
         for stage, count in (skipped_by_stage or {}).items():
             v[per_stage + 2 * n_stages + stage] = count
+        for stage, count in (skipped_earlier_by_stage or {}).items():
+            v[per_stage + 3 * n_stages + stage] = count
         self._vector = torch.tensor(v, dtype=torch.float64, device=layout.device)
         self._work = dist.all_reduce(self._vector, async_op=True)
         self._values: dict | None = None
@@ -175,7 +177,8 @@ class ReducedStepStats:
                 "idle_fraction_per_rank": [round(x, 4) for x in v[self._HEAD:stages]],
                 "weight_version_age_per_stage": [int(x) for x in v[stages:stages + s]],
                 "nonfinite_grad_stages": [i for i, x in enumerate(v[stages + s:stages + 2 * s]) if x > 0],
-                "skipped_updates_per_stage": [int(x) for x in v[stages + 2 * s:]],
+                "skipped_updates_per_stage": [int(x) for x in v[stages + 2 * s:stages + 3 * s]],
+                "skipped_earlier_updates_per_stage": [int(x) for x in v[stages + 3 * s:]],
             }
         return self._values[key]
 

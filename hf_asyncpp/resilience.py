@@ -13,7 +13,9 @@ receive):
     once (a closed connection), and `lost_peers_reported` turns that into a `PeerLostError`.
 
 The first two travel in each step's statistics all-reduce (metrics.ReducedStepStats) and are read one
-step later, when that reduction has long finished: no rank waits for another to decide.
+step later, when that reduction has long finished: no rank waits for another to decide. (Non-finite
+values under an asynchronous pipeline clipped by the global norm: two steps later, since an update
+held for that norm is decided in the next step and its outcome travels in that step's all-reduce.)
 `RunFailure` is what the front ends report as `error: ...` with exit status 1.
 """
 
@@ -89,47 +91,62 @@ def lost_peers_reported(rank: int, timeout_s: float):
 class NonFiniteGuard:
     """Decides, from a step's reduced statistics, whether the run goes on after non-finite values.
 
-    `review(step, stats)` sees what every rank reported for step `step`: microbatches with a
-    non-finite loss, stages whose gradient was non-finite, updates skipped. Under `stop` any of them
-    raises `NonFiniteError`; under `skip` a step with a skipped update is counted and the run stops
-    once more than `skip_limit` steps were skipped. (Under an asynchronous schedule the loss of a
-    microbatch is reported with the step that forwarded it, its skipped update with the step that
-    applies it, which may be the next.) The message names the step, the stages and which
-    tensors were non-finite.
+    `review(step, stats, later)` sees what every rank reported for step `step`: microbatches with a
+    non-finite loss, stages whose gradient was non-finite, and the updates of the step's gradients that
+    were skipped. An update held for the pipeline's global norm may be decided after its step has
+    reported: its outcome then comes with the next step's statistics (`later`, "earlier" skips there),
+    and is counted with the step of its gradient. Under `stop` any finding raises `NonFiniteError`;
+    under `skip` a step whose gradient had an update skipped is counted and the run stops once more
+    than `skip_limit` steps were skipped. (Under an asynchronous schedule the loss of a microbatch is
+    reported with the step that forwarded it, its gradient and skipped updates with the step of its
+    backward, which may be the next.) The message names the step, the stages and which tensors were
+    non-finite.
     """
 
     def __init__(self, policy: str, skip_limit: int, last_stage: int):
         self.policy, self.skip_limit, self.last_stage = policy, skip_limit, last_stage
         self.skipped_steps: list[int] = []
 
-    def describe(self, step: int, stats) -> str | None:
-        """What was non-finite in step `step`, or None."""
+    @staticmethod
+    def skipped_stages(stats, later=None) -> list[int]:
+        """The stages whose update of step `stats`'s gradient was skipped: decided in that step, or
+        (held for the global norm) by the time `later`, the next step's statistics, reported."""
+        counts = [total - earlier for total, earlier in zip(stats.value("skipped_updates_per_stage"),
+                                                            stats.value("skipped_earlier_updates_per_stage"))]
+        if later is not None:
+            counts = [own + late for own, late in zip(counts, later.value("skipped_earlier_updates_per_stage"))]
+        return [stage for stage, count in enumerate(counts) if count]
+
+    def describe(self, step: int, stats, later=None) -> str | None:
+        """What was non-finite in step `step`, and which updates it cost, or None."""
         losses, stages = stats.value("nonfinite_loss_microbatches"), stats.value("nonfinite_grad_stages")
-        if not losses and not stages:
+        skipped = self.skipped_stages(stats, later)
+        if not losses and not stages and not skipped:
             return None
         parts = []
         if losses:
             parts.append(f"in the loss of {losses} microbatch{'es' * (losses > 1)} (computed on stage {self.last_stage})")
         if stages:
             parts.append(f"in the gradient of {_stages(stages)}")
-        skipped = [stage for stage, count in enumerate(stats.value("skipped_updates_per_stage")) if count]
-        what = f"the update of {_stages(skipped)} was not applied" if skipped else "no update was skipped (the gradients were finite)"
-        return f"step {step}: NaN or infinity {' and '.join(parts)}; {what}"
+        found = f"NaN or infinity {' and '.join(parts)}" if parts else "a NaN or infinite global gradient norm"
+        what = (f"the update of {_stages(skipped)} was skipped" if skipped else
+                "no update of this step's gradients was skipped (a loss's gradient counts with the step of its backward)")
+        return f"step {step}: {found}; {what}"
 
-    def review(self, step: int, stats) -> None:
+    def review(self, step: int, stats, later=None) -> None:
         """Raise NonFiniteError when the policy says stop (identically on every rank)."""
-        message = self.describe(step, stats)
+        message = self.describe(step, stats, later)
         if message is None:
             return
         if self.policy == "stop":
             raise NonFiniteError(f"{message}. nonfinite_policy is stop: the run stops; the weights hold no "
                                  "non-finite value and the last checkpoint is kept")
-        if not any(stats.value("skipped_updates_per_stage")):  # reported; only skipped updates count
+        if not self.skipped_stages(stats, later):  # reported; only skipped updates count
             logger.warning(message)
             return
         self.skipped_steps.append(step)
         if len(self.skipped_steps) > self.skip_limit:
-            raise NonFiniteError(f"{message}. That is {len(self.skipped_steps)} steps with non-finite values "
+            raise NonFiniteError(f"{message}. That is {len(self.skipped_steps)} steps with skipped updates "
                                  f"(steps {', '.join(map(str, self.skipped_steps))}), more than nonfinite_skip_limit "
                                  f"({self.skip_limit}): the run stops; the last checkpoint is kept")
         logger.warning(f"{message} ({len(self.skipped_steps)} of {self.skip_limit} allowed)")

@@ -55,10 +55,12 @@ class Updater:
 
 class _Held:
     """An update held until its global norm is in: the all-reduce of the squared norm of `unit`, and
-    what applies the update once the norm is known."""
+    what applies the update once the norm is known; posted in step `step` by `stages`."""
 
-    def __init__(self, unit: int, squared: torch.Tensor, work, apply: Callable[[float], None]):
+    def __init__(self, unit: int, squared: torch.Tensor, work, apply: Callable[[float], None], stages: list[int],
+                 step: int):
         self.unit, self.squared, self.work, self.apply = unit, squared, work, apply
+        self.stages, self.step = stages, step
 
 
 class Updates:
@@ -72,13 +74,16 @@ class Updates:
         self.global_norm = config.clips_by_global_norm
         self.gradients_averaged = gradients_averaged or layout.dp_size == 1
         self._held: dict[int, _Held] = {}  # local module index → its held update
+        self._steps = self._reported_steps = 0  # steps started; steps whose skipped updates were taken
+        self.skipped: dict[int, int] = {}  # per stage, updates skipped since the last take_skipped
+        self._skipped_earlier: dict[int, int] = {}  # of them, those of a reported step's gradient
         self.start_step()
 
     def start_step(self) -> None:
         self._sq_norms: dict[int, list[torch.Tensor]] = {}  # per updater's stage, each update's squared norm
         self._stage_sq_norms: list[tuple[int, torch.Tensor]] = []  # (stage, its squared norm) per update
         self.ages: dict[int, int] = {}
-        self.skipped: dict[int, int] = {}
+        self._steps += 1
 
     # --- what a step reports (host reads: call at the step's end) ------------------------------------
 
@@ -97,6 +102,21 @@ class Updates:
             return set()
         finite = torch.isfinite(torch.stack([squared for _, squared in self._stage_sq_norms])).tolist()
         return {stage for (stage, _), ok in zip(self._stage_sq_norms, finite) if not ok}
+
+    def take_skipped(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Per stage, the updates skipped since the last call (call once per step, at its report), and
+        among them those of an earlier step's gradient: held for their global norm past that step's
+        report (the next step, an evaluation or a checkpoint decided them)."""
+        taken = self.skipped, self._skipped_earlier
+        self.skipped, self._skipped_earlier = {}, {}
+        self._reported_steps = self._steps
+        return taken
+
+    @property
+    def holds_for_global_norm(self) -> bool:
+        """Whether a posted update waits for the pipeline's global norm (so may be decided, applied or
+        skipped, after its step has reported)."""
+        return self.global_norm and self.layout.pp_size > 1
 
     # --- the three ways to a norm ----------------------------------------------------------------
 
@@ -122,7 +142,7 @@ class Updates:
             raise RuntimeError(f"stage {self.stage_ids[index]} posts unit {unit} while unit "
                                f"{self._held[index].unit} is still held: complete it first")
         squared = self._prepare(updater)
-        if not (self.global_norm and self.layout.pp_size > 1):
+        if not self.holds_for_global_norm:
             apply(squared.sqrt().item())
             return
         if len(self.modules) > 1:  # config_checks refuses it first, naming the order's deadlock
@@ -130,7 +150,7 @@ class Updates:
                                "one stage per rank (grad_clip_scope: stage clips each stage by its own)")
         total = squared.to(self.layout.device, copy=True).reshape(1)  # the recorded value stays this rank's
         work = dist.all_reduce(total, group=self.layout.norm_pp_group, async_op=True)
-        self._held[index] = _Held(unit, total, work, apply)
+        self._held[index] = _Held(unit, total, work, apply, updater.stages, self._steps)
 
     def complete(self, index: int, through_unit: int | None = None) -> None:
         """Apply local module `index`'s held update (if it is of a unit <= `through_unit`), waiting for
@@ -140,7 +160,11 @@ class Updates:
             return
         del self._held[index]
         held.work.wait()
-        held.apply(held.squared.sqrt().item())
+        norm = held.squared.sqrt().item()
+        held.apply(norm)
+        if held.step <= self._reported_steps and not math.isfinite(norm):  # its step has reported
+            for stage in held.stages:
+                self._skipped_earlier[stage] = self._skipped_earlier.get(stage, 0) + 1
 
     def complete_all(self) -> None:
         """Apply every held update (collective: before anything reads the weights or their state)."""

@@ -119,7 +119,7 @@ def test_stop_ends_every_rank_at_the_next_step_and_writes_nothing_non_finite(tmp
     assert done.returncode != 0
     assert time.time() - start < 120
     assert (f"error: step {K + 1}: NaN or infinity in the loss of 1 microbatch (computed on stage 1) and in the "
-            "gradient of stages 0, 1; the update of stages 0, 1 was not applied. nonfinite_policy is stop") in done.stderr
+            "gradient of stages 0, 1; the update of stages 0, 1 was skipped. nonfinite_policy is stop") in done.stderr
     # Decided on every rank at the end of the next step, before that step is logged.
     assert [r["step"] for r in _records(out)] == list(range(1, K + 2))
     assert not (out / "final").exists()
@@ -176,9 +176,10 @@ def test_waiting_for_rank_0_to_prepare_the_data_does_not_count_against_comm_time
 class _Stats:
     """What one step's reduced statistics report (metrics.ReducedStepStats.value)."""
 
-    def __init__(self, losses=0, stages=(), skipped=(0, 0)):
+    def __init__(self, losses=0, stages=(), skipped=(0, 0), earlier=None):
         self.values = {"nonfinite_loss_microbatches": losses, "nonfinite_grad_stages": list(stages),
-                       "skipped_updates_per_stage": list(skipped)}
+                       "skipped_updates_per_stage": list(skipped),
+                       "skipped_earlier_updates_per_stage": list(earlier or [0] * len(skipped))}
 
     def value(self, key):
         return self.values[key]
@@ -192,9 +193,9 @@ def test_skip_stops_once_more_steps_than_the_limit_were_skipped(capsys):
     guard.review(2, _Stats(stages=[0], skipped=(1, 0)))
     guard.review(3, _Stats(losses=1))  # a loss reported before its update: not a skipped step
     guard.review(4, _Stats(losses=1, stages=[0, 1], skipped=(1, 1)))
-    assert ("step 2: NaN or infinity in the gradient of stage 0; the update of stage 0 was not applied (1 of 2 allowed)"
+    assert ("step 2: NaN or infinity in the gradient of stage 0; the update of stage 0 was skipped (1 of 2 allowed)"
             in capsys.readouterr().err)  # the hf_asyncpp logger's stream
-    with pytest.raises(NonFiniteError, match=r"step 7: .* 3 steps with non-finite values \(steps 2, 4, 7\), more than "
+    with pytest.raises(NonFiniteError, match=r"step 7: .* 3 steps with skipped updates \(steps 2, 4, 7\), more than "
                                              r"nonfinite_skip_limit \(2\)"):
         guard.review(7, _Stats(stages=[1], skipped=(0, 1)))
 
@@ -205,7 +206,7 @@ def test_stop_names_the_step_the_stages_and_the_tensors():
     guard = NonFiniteGuard("stop", skip_limit=10, last_stage=3)
     guard.review(5, _Stats())
     with pytest.raises(NonFiniteError, match=r"^step 6: NaN or infinity in the loss of 2 microbatches \(computed on stage 3\) "
-                                             r"and in the gradient of stages 1, 3; the update of stages 1, 3 was not applied"):
+                                             r"and in the gradient of stages 1, 3; the update of stages 1, 3 was skipped"):
         guard.review(6, _Stats(losses=2, stages=[1, 3], skipped=(0, 1, 0, 1)))
 
 

@@ -18,7 +18,8 @@ one (pp, dp) layout loads into another where the tensors mean the same thing:
 DTensor shards are saved as shards (each dp rank writes its rows) and loaded into whatever sharding
 the loading run has; identical replicas are written once. Entries that are not tensors (schedule
 state, Python step counters) are serialized into uint8 tensors under `<key>#obj`: torch's loader
-fills tensors in place, which is what makes loading a plain function of the saved metadata.
+fills tensors in place, which is what makes loading a plain function of the saved metadata. Those
+load on the CPU whatever device the parameters are on: only the host unpacks them.
 """
 
 from __future__ import annotations
@@ -101,16 +102,20 @@ def _live_state(engine, rank: int) -> dict:
     return state
 
 
-def _destination(metadata, like: torch.Tensor | None, like_layout: bool = True):
-    """An empty tensor `dcp.load` can fill for a saved entry: laid out like the parameter it belongs
-    to when it is per-element state of the parameter's shape (so it is sharded like it), a whole
-    tensor on the parameter's device otherwise."""
+def _destination(saved: dict, key: str, like: torch.Tensor | None = None, like_layout: bool = True):
+    """An empty tensor `dcp.load` can fill for saved entry `key`. A packed object (`#obj`) is bytes
+    that only the host unpacks: always on the CPU. A tensor is laid out like the parameter `like` it
+    belongs to when it is per-element state of the parameter's shape (so it is sharded like it), and
+    whole on the parameter's device otherwise."""
+    metadata = saved[key]
     if not isinstance(metadata, TensorStorageMetadata):
         raise ValueError(f"unexpected non-tensor entry {metadata}")
     dtype = metadata.properties.dtype
-    if like is not None and like_layout and tuple(like.shape) == tuple(metadata.size):
+    if key.endswith(_OBJ) or like is None:
+        return torch.zeros(metadata.size, dtype=dtype, device="cpu")
+    if like_layout and tuple(like.shape) == tuple(metadata.size):
         return torch.zeros_like(like, dtype=dtype)
-    device = like.to_local().device if isinstance(like, DTensor) else (like.device if like is not None else "cpu")
+    device = like.to_local().device if isinstance(like, DTensor) else like.device
     return torch.zeros(metadata.size, dtype=dtype, device=device)
 
 
@@ -129,9 +134,9 @@ def load_training_state(engine, rank: int, saved: dict, read) -> dict:
             for state_key, key in _state_keys(saved, name).items():
                 # Per-element state is laid out like its parameter; per-matrix state (SOAP's factors
                 # and bases, square like a square parameter) is whole on every rank.
-                wanted[key] = _destination(saved[key], params[name], not state_key.endswith(_PER_MATRIX))
+                wanted[key] = _destination(saved, key, params[name], not state_key.endswith(_PER_MATRIX))
             if f"ef.{name}" in saved:
-                wanted[f"ef.{name}"] = _destination(saved[f"ef.{name}"], params[name])
+                wanted[f"ef.{name}"] = _destination(saved, f"ef.{name}", params[name])
     for stage, versioned in zip(engine.stage_ids, engine.versioned):
         for b, buffer in enumerate(versioned.buffers_):
             wanted.update({f"versions.{stage}.{b}.{n}": t.detach() for n, t in buffer.items()})
@@ -142,10 +147,10 @@ def load_training_state(engine, rank: int, saved: dict, read) -> dict:
         for key in saved:
             parts = key.split(".", 4)
             if parts[0] == "emulated" and not key.endswith(_OBJ):
-                wanted[key] = _destination(saved[key], params.get(parts[4]) if parts[2] == "versions" else None)
+                wanted[key] = _destination(saved, key, params.get(parts[4]) if parts[2] == "versions" else None)
     objects = [k for k in saved if k.split(".")[0] in ("updater", "stage", "emulated") and k.endswith(_OBJ)
                or k == f"rng.{rank}{_OBJ}"]
-    wanted.update({k: _destination(saved[k], None) for k in objects})
+    wanted.update({k: _destination(saved, k) for k in objects})
     for stage in engine.stage_ids if engine.versioned else ():
         if f"stage.{stage}{_OBJ}" not in saved:
             raise ValueError(f"it holds no weight versions of stage {stage} (saved with another pp_size or schedule)")
