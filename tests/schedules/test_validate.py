@@ -460,6 +460,23 @@ def test_a_synchronous_schedules_steps_with_their_collectives_run(name):
         check_program(program, to_rank, spec.n_stages(pp_size))
 
 
+@pytest.mark.parametrize("name", ["pipedream-2bw", "pipedream"])
+@pytest.mark.parametrize("pp_size, m", [(2, 4), (4, 4), (4, 8)])
+def test_an_asynchronous_schedules_statistics_all_reduce_crosses_none_of_its_messages(name, pp_size, m):
+    """The statistics all-reduce at the end of each segment, the previous step's read at the next:
+    every message between two ranks is posted on the same side of it at both ends."""
+    from hf_asyncpp.schedules.async_order import SegmentPrograms
+
+    spec, steps, ranks = SCHEDULES[name], 3, frozenset(range(pp_size))
+    to_rank = spec.stage_ranks(pp_size).__getitem__
+    segments = SegmentPrograms(spec.order, pp_size, m, steps, to_rank, spec.n_stages(pp_size), 0, None)
+    program = {r: [] for r in range(pp_size)}
+    for k in range(steps):
+        for r in range(pp_size):
+            program[r] += [*segments.program(r, k), Collective("world", ranks)] + ([HostWait("world")] if k else [])
+    check_program(program, to_rank, spec.n_stages(pp_size))
+
+
 # --- clipping by the global norm (async_order.GlobalClipping) -----------------------------------
 
 
