@@ -32,7 +32,7 @@ from .models.recompute import apply_activation_checkpointing
 from .models.pipeline_loss import PipelineLoss
 from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, reduce_dtype, shard_parameters, unshard_parameters
-from .parallel.mesh import ParallelLayout, broadcast_from_first_replica, link_groups
+from .parallel.mesh import ParallelLayout, broadcast_from_first_replica, start_communicators
 from .resilience import NonFiniteGuard, TerminationRequest
 from .schedules import ScheduleError, build_schedule, get_schedule_spec
 from .schedules.async_order import replay_after
@@ -62,6 +62,11 @@ class PipelineEngine:
         emulating = order is not None and layout.pp_size == 1
         depth = (config.emulate_pp_size or 1) if emulating else layout.pp_size
         n_stages = self.spec.n_stages(depth)
+        # Every communicator of the run set up and used once, now, before any other operation on them
+        # (mesh.start_communicators). Each pair of neighbouring ranks talks on its own group (its own
+        # NCCL stream): mesh.link_groups.
+        links = start_communicators(layout, [] if emulating else self.spec.rank_pairs(layout.pp_size),
+                                    asynchronous=order is not None)
         self.plan = plan_stages(model_config, n_stages, config.stage_balance, config.stage_boundaries)
         self.stage_ids = list(range(n_stages)) if emulating else self.spec.stage_indices(layout.pp_size, layout.pp_rank)
         # FSDP2 over dp (parallel/fsdp.py): parameters, gradients, optimizer state, weight versions
@@ -117,9 +122,7 @@ class PipelineEngine:
         self._stage_io = [] if emulating else stage_io(model_config, self.plan, config.micro_batch_size, config.seq_len,
                                                        dtype)
         self.stages = [] if emulating else self._pipeline_stages(layout.pp_group)
-        # Each pair of neighbouring ranks talks on its own group (its own NCCL stream): mesh.link_groups.
-        links = (link_groups(layout, self.spec.rank_pairs(layout.pp_size), asynchronous=order is not None)
-                 if self.stages else None)
+        links = links if self.stages else None
         self.timer = ComputeTimer(self.stages, layout.device)
         timed_loss = self.timer.timed(self.loss_fn)
         self.emulated = EmulatedPipeline(self.modules, self.stage_ids, order, depth, m, self.updaters,

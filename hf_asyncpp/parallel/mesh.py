@@ -26,7 +26,7 @@ from torch.distributed.distributed_c10d import _abort_process_group  # pinned: t
 from .launch import LaunchInfo
 
 __all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free_port", "init_parallel", "link_groups",
-           "link_timeout", "mesh_coordinates", "shutdown_parallel"]
+           "link_timeout", "mesh_coordinates", "shutdown_parallel", "start_communicators"]
 
 IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
 STARTUP_TIMEOUT = timedelta(minutes=15)  # as long as torchrun waits for a node to join its rendezvous
@@ -106,8 +106,11 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         # A launcher restarting the workers (torchrun --max_restarts) keeps its store, which still holds
         # the previous attempt's addresses: each attempt's group keeps its keys under its own prefix.
         store = dist.PrefixStore(f"hf_asyncpp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        # On GPUs the default group is bound to this rank's device: NCCL then sets its communicator up
+        # here, eagerly, and every group made from it after is split off at once (new_group), instead
+        # of being set up lazily by its first operation, which may come mid-run.
         dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
-                                timeout=startup)
+                                timeout=startup, **({"device_id": device} if backend == "nccl" else {}))
     pp_rank, dp_rank, dp_size = mesh_coordinates(launch.rank, launch.world_size, pp_size)
     mesh = init_device_mesh(device.type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
     replicas = [[p * dp_size + d for p in range(pp_size)] for d in range(dp_size)]
@@ -115,12 +118,6 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
     # messages wait as long as their group was made with, whatever is set later.
     eval_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
     norm_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
-    if backend == "nccl":
-        # batch_isend_irecv needs every rank of a group in the group's first operation (a pipeline's
-        # first batch involves two ranks): start the pipeline groups' communicators together now (the
-        # norm group's too, so its first all-reduce, mid-step, does not set one up).
-        for group in (mesh.get_group("pp"), eval_pp_group, norm_pp_group):
-            dist.barrier(group=group)
     io_backend = _io_backend()
     io_group = dist.new_group(backend=io_backend, timeout=max(IO_TIMEOUT, timeout))
     io_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=max(IO_TIMEOUT, timeout), backend=io_backend)
@@ -191,12 +188,59 @@ def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]],
             if layout.rank in ranks:
                 links[ranks[1] if ranks[0] == layout.rank else ranks[0]] = group
                 _pair_groups.append(group)
-    if layout.device.type == "cuda":
-        # Set the communicators up now, not in a step. Pairs in one global order: no rank can wait
-        # on a pair whose other rank waits on a later one.
-        for peer, group in sorted(links.items(), key=lambda link: sorted((layout.rank, link[0]))):
-            dist.barrier(group=group)
     return links
+
+
+def start_communicators(layout: ParallelLayout, rank_pairs: list[tuple[int, int]],
+                        asynchronous: bool = False) -> dict[int, dist.ProcessGroup]:
+    """Make the pair groups (`link_groups`; none for an empty `rank_pairs`) and set up and use once
+    every communicator the run uses, before its first step; returns the pair groups as link_groups
+    does. Call once on every rank, before any other operation of the run on these groups.
+
+    Why: NCCL sets a communicator up on its first operation, and connects two ranks of one on their
+    first message, unless told otherwise. Both wait for every rank involved and allocate device
+    memory. Set up lazily, the first dp gather or statistics all-reduce of a run, or the first
+    evaluation's messages, would do it while pipeline messages posted before are still waiting on
+    the device, and a set-up that waits behind a spinning kernel, or a kernel that waits for a peer
+    blocked in a set-up, hangs the run. Here nothing else is in flight: each group gets one
+    collective on its device, each pair of pipeline neighbours exchanges one message in each
+    direction on every group the pipeline's messages take, and the default group's device is bound
+    at init_parallel, so no communicator is made or connected mid-run.
+
+    One order on every rank: the groups by kind (I/O, default, pp, dp, evaluation, norm, I/O pp),
+    then the pairs of neighbours in the global order of their ranks. Groups of one kind are
+    disjoint, and a rank waits on a pair only once every earlier pair of its own is done: no rank
+    can wait on a peer that waits on something later."""
+    links = link_groups(layout, rank_pairs, asynchronous) if rank_pairs else {}
+    device, cpu = layout.device, torch.device("cpu")
+    groups = [(layout.io_group, cpu), (dist.group.WORLD, device), (layout.pp_group, device), (layout.dp_group, device),
+              (layout.eval_pp_group, device), (layout.norm_pp_group, device), (layout.io_pp_group, cpu)]
+    for group, on in groups:
+        if group is not None:
+            dist.all_reduce(torch.zeros(1, device=on), group=group)
+    dp = layout.dp_size
+    pairs = sorted((a * dp + d, b * dp + d) for a, b in rank_pairs for d in range(dp))
+    for low, high in pairs:
+        if layout.rank not in (low, high):
+            continue
+        peer = high if layout.rank == low else low
+        # The pipeline's own groups carry batched messages (an evaluation's, a schedule without pair
+        # groups'); torch's stages send nothing at start-up (their metadata is static, models/stage_io.py).
+        # Training's messages take the pair's own group.
+        for group in (layout.pp_group, layout.eval_pp_group):
+            _exchange(group, peer, device)
+        if peer in links:
+            _exchange(links[peer], peer, device, batched=True)
+    return links
+
+
+def _exchange(group, peer: int, device: torch.device) -> None:
+    """One message to `peer` and one from it on `group`, as one batch (NCCL groups the two, so neither
+    end waits for the other's order)."""
+    mine, theirs = torch.zeros(1, device=device), torch.empty(1, device=device)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, group),
+                                        dist.P2POp(dist.irecv, theirs, peer, group)]):
+        work.wait()
 
 
 @torch.no_grad()

@@ -53,8 +53,8 @@ from torch.distributed.pipelining.schedules import (
     _Action,
 )
 
-__all__ = ["CommPlanner", "P2PBatch", "PlanError", "Program", "is_compute", "matching_receive", "peer_of",
-           "plan_program"]
+__all__ = ["Collective", "CommPlanner", "HostWait", "P2PBatch", "PlanError", "Program", "is_compute",
+           "matching_receive", "peer_of", "plan_program"]
 
 _COMPUTE = (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 _BACKWARDS = (FULL_BACKWARD, BACKWARD_INPUT)
@@ -70,7 +70,34 @@ class P2PBatch:
         return "+".join(map(str, self.ops))
 
 
-Program = dict[int, list["_Action | P2PBatch | None"]]  # None: wait until this rank's sends completed
+@dataclass(frozen=True)
+class Collective:
+    """A collective a rank posts on another communicator than the pipeline's messages (the statistics
+    all-reduce on the default group, a dp gather): `ranks` take part, the k-th of each on one `group`
+    meet. Posting it does not block the host; it completes once every rank of it has posted it."""
+
+    group: str
+    ranks: frozenset[int]
+    what: str = "all_reduce"
+
+    def __str__(self) -> str:
+        return f"{self.what}@{self.group}"
+
+
+@dataclass(frozen=True)
+class HostWait:
+    """The host waits (a `work.wait()`, a `.item()` or `.tolist()` of a result): for this rank's
+    collectives on `group` to complete, or, with group None, for everything it has posted (its
+    message batches and collectives), as a device synchronize does."""
+
+    group: str | None = None
+
+    def __str__(self) -> str:
+        return f"wait@{self.group or 'all'}"
+
+
+# None: wait until this rank's sends completed.
+Program = dict[int, list["_Action | P2PBatch | Collective | HostWait | None"]]
 
 
 class PlanError(ValueError):

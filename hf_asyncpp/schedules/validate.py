@@ -21,6 +21,18 @@ runtime executes) and plays every rank's program against the others under NCCL's
     stage's next update, waits until every stage has posted the gradient norm of the update unit
     it needs; the norms are all-reduced on a group of their own, one per update, so every rank must
     post them for the same units in the same order (one stage per rank);
+  - collectives on other communicators (`Collective`: the statistics all-reduce on the default group,
+    a dp gather) do not block the host and complete once each of their ranks has posted them; the
+    k-th ones on a group meet. A collective must not cross a message: if, between two of its ranks,
+    a message is posted before the collective on one end and after it on the other, the first end
+    has it pending while its collective waits for the second, whose end of the message waits behind
+    its own collective. NCCL's kernels wait on the device for their peers, and a kernel of one
+    communicator may not start while another's waits (NCCL guarantees no concurrency between
+    communicators): a potential deadlock, reported at the collective of the rank with the message
+    pending. (NCCL setting a communicator up there would wait for certain; mesh.start_communicators
+    sets every one up before the first step.)
+  - host-blocking points (`HostWait`: a wait on a collective, a host read of its result, a device
+    synchronize) block the rank's program until what they wait for has completed;
   - the play must finish: otherwise a deadlock, with what each stuck rank waits for.
 Any failure raises `ScheduleError` with the rank × time table, the offending step marked.
 
@@ -54,7 +66,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from .actions import ComputeActions
-from .comm_plan import P2PBatch, PlanError, Program, is_compute, matching_receive, peer_of, plan_program
+from .comm_plan import Collective, HostWait, P2PBatch, PlanError, Program, is_compute, matching_receive, peer_of, plan_program
 
 if TYPE_CHECKING:
     from .async_order import GlobalClipping
@@ -155,6 +167,11 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
     norms_posted: dict[int, set[int]] = {}  # global clipping: update unit → stages that posted its norm
     norm_posted_at: dict[int, float] = {}  # update unit → when its last norm was posted
     units_posted: dict[int, list[int]] = {r: [] for r in program}  # per rank, in posting order
+    # Collectives: (group, ranks) → rank → [(step, when posted, {peer: (sends to it, receives from it) before})].
+    collectives: dict[tuple[str, frozenset], dict[int, list[tuple[int, float, dict]]]] = {}
+    collective_done: dict[tuple[tuple[str, frozenset], int], float] = {}  # (group, k) → when it completed
+    posted_collectives: dict[int, list[tuple[tuple[str, frozenset], int]]] = {r: [] for r in program}
+    batches_of: dict[int, list[_Batch]] = {r: [] for r in program}
     clock = {r: 0.0 for r in program}  # when each rank's next entry can start
     busy = {r: 0.0 for r in program}
     seconds = cost or (lambda rank, action: 0.0)
@@ -200,6 +217,43 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
         for stream in posted.streams:
             queues.setdefault((rank, stream), deque()).append(posted)
         open_batches.append(posted)
+        batches_of[rank].append(posted)
+
+    def post_collective(rank: int, step: int, collective: Collective) -> None:
+        if rank not in collective.ranks:
+            _fail(f"{collective} is posted by rank {rank}, which is not one of its ranks {sorted(collective.ranks)}",
+                  program, rank, step)
+        group = (collective.group, collective.ranks)
+        posts = collectives.setdefault(group, {})
+        k = len(posts.setdefault(rank, []))
+        before = {q: (len(sends.get((rank, q), [])), len(receives.get((q, rank), []))) for q in collective.ranks}
+        posts[rank].append((step, clock[rank], before))
+        posted_collectives[rank].append((group, k))
+        if all(len(posts.get(q, ())) > k for q in collective.ranks):  # every rank has posted it: it completes
+            check_crossings(collective, posts, k)
+            collective_done[(group, k)] = max(posts[q][k][1] for q in collective.ranks)
+
+    def check_crossings(collective: Collective, posts, k: int) -> None:
+        """A message between two ranks of `collective` posted before it on one end, after it on the other."""
+        for r in sorted(collective.ranks):
+            step, _, mine = posts[r][k]
+            for q in sorted(collective.ranks - {r}):
+                theirs = posts[q][k][2][r]
+                for sent, received, channel, ops, kind, other in (
+                        (mine[q][0], theirs[1], (r, q), sends, "to", "receive"),
+                        (mine[q][1], theirs[0], (q, r), receives, "from", "send")):
+                    if sent > received:
+                        op = ops[channel][received][0]
+                        _fail(f"{collective} is posted with {op} {kind} rank {q} pending, whose {other} rank {q} posts only "
+                              f"after its own {collective}: under NCCL the collective's kernel may wait behind the "
+                              f"message's, which waits for rank {q}, whose kernel waits in the collective for rank "
+                              f"{r}: a potential deadlock", program, r, step)
+
+    def awaited_by(rank: int, wait: HostWait) -> tuple[list, list[_Batch]]:
+        """What `wait` on `rank` waits for: its collectives not yet complete, its batches not yet complete."""
+        pending = [c for c in posted_collectives[rank] if c not in collective_done and wait.group in (None, c[0][0])]
+        batches = [b for b in batches_of[rank] if not b.complete] if wait.group is None else []
+        return pending, batches
 
     def needed_receive(action: _Action) -> _Action | None:
         s, kind, mb = action.stage_index, action.computation_type, action.microbatch_index
@@ -217,6 +271,16 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
             return True
         if isinstance(entry, P2PBatch):
             post(rank, step, entry)
+            return True
+        if isinstance(entry, Collective):
+            post_collective(rank, step, entry)
+            return True
+        if isinstance(entry, HostWait):
+            if any(awaited_by(rank, entry)):
+                return False
+            done = [collective_done[c] for c in posted_collectives[rank] if entry.group in (None, c[0][0])]
+            done += [b.completed_at for b in batches_of[rank]] if entry.group is None else []
+            run(rank, max(done, default=0.0), ())
             return True
         if not is_compute(entry) and entry.sub_actions is None:  # local work: (un)shard, an update
             if clipping and entry.computation_type == REDUCE_GRAD:
@@ -309,6 +373,12 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
         rank, step = next(iter(stuck.items()))
         waiting = program[rank][step]
         what = "waiting for its sends to be received forever" if waiting is None else f"{waiting} waits forever"
+        if isinstance(waiting, HostWait):
+            pending, _ = awaited_by(rank, waiting)
+            what += "".join(f" for {group[0]} collective {k}, which rank{'s' * (len(late) > 1)} "
+                            f"{', '.join(map(str, late))} {'have' if len(late) > 1 else 'has'} not posted"
+                            for group, k in pending
+                            for late in [[q for q in sorted(group[1]) if len(collectives[group].get(q, ())) <= k]])
         norm = norm_missing(waiting) if isinstance(waiting, _Action) else None
         if norm:
             what += (f" for the global gradient norm of update unit {norm[0]}, which stage{'s' * (len(norm[1]) > 1)} "
@@ -321,6 +391,11 @@ def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stage
                       if len(sends.get(channel, [])) != len(receives.get(channel, [])))
     if unpaired:
         raise ScheduleError(f"sends and receives do not pair up: {unpaired}")
+    uneven = sorted(f"{group}: " + ", ".join(f"rank {q} posts {len(posts.get(q, ()))}" for q in sorted(ranks))
+                    for (group, ranks), posts in collectives.items()
+                    if len({len(posts.get(q, ())) for q in ranks}) > 1)
+    if uneven:
+        raise ScheduleError(f"collectives do not pair up: {uneven}")
     orders = {tuple(units) for units in units_posted.values()}
     if clipping and (len(orders) > 1 or any(len(set(u)) < len(u) for u in units_posted.values())):
         raise ScheduleError("global clipping all-reduces one norm per update on every rank, in the same order: the "

@@ -195,3 +195,151 @@ def test_pair_groups_are_aborted_at_teardown_even_with_a_send_never_received_and
     `ProcessGroup.abort` and takes it out of what `destroy_process_group` then tears down)."""
     for report in run_ranks(2, _teardown_with_a_send_never_received):
         assert report == {("link", "aborted"), ("another group", "destroyed")}
+
+
+# What a rank does on a group: the ProcessGroup methods torch's collectives and messages call.
+_GROUP_OPERATIONS = ("allreduce", "allreduce_coalesced", "barrier", "broadcast", "allgather", "_allgather_base",
+                     "allgather_into_tensor_coalesced", "allgather_coalesced", "reduce", "reduce_scatter",
+                     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "gather", "scatter", "alltoall",
+                     "alltoall_base", "send", "recv", "recv_anysource", "monitored_barrier")
+
+
+@contextmanager
+def group_uses():
+    """Records every operation on a process group inside the block: yields (uses, phase), uses a list
+    of (phase[0] at the time, the group's name), in order."""
+    import torch.distributed as dist
+
+    uses, phase = [], ["init"]
+    process_group = dist.ProcessGroup
+    methods = {name: vars(process_group)[name] for name in _GROUP_OPERATIONS if name in vars(process_group)}
+
+    def spy(method):
+        def used(group, *args, **kwargs):
+            uses.append((phase[0], group.group_name))
+            return method.__get__(group)(*args, **kwargs)
+        return used
+
+    for name, method in methods.items():
+        setattr(process_group, name, spy(method))
+    try:
+        yield uses, phase
+    finally:
+        for name, method in methods.items():
+            setattr(process_group, name, method)
+
+
+def _first_uses(rank, world_size, schedule):
+    """pp 2 × dp 2: the engine's start-up, then three steps with an evaluation after the first, and
+    their end; per phase, the groups used, and the groups that exist."""
+    import torch
+    import torch.distributed as dist
+
+    import hf_asyncpp.engine as engine_module
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+    from tests.test_engine import small_model_config
+
+    def groups():
+        return sorted(group.group_name for group in dist.distributed_c10d._world.pg_map)
+
+    with group_uses() as (uses, phase):
+        layout = init_parallel(read_launch(), 2)
+        try:
+            starting = getattr(engine_module, "start_communicators", None)
+
+            def start(*args, **kwargs):
+                phase[0] = "start-up"
+                try:
+                    return starting(*args, **kwargs)
+                finally:
+                    phase[0] = "engine"
+
+            if starting:
+                engine_module.start_communicators = start
+            try:
+                model_config = small_model_config("tiny-qwen3-moe")
+                config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=2, schedule=schedule, optimizer="adamw",
+                                     learning_rate=3e-3, seq_len=8, micro_batch_size=1, n_microbatches=2, seed=4,
+                                     max_steps=3, max_grad_norm=1.0, grad_clip_scope="global")
+                engine = engine_module.PipelineEngine(config, model_config, layout)
+            finally:
+                if starting:
+                    engine_module.start_communicators = starting
+            after_start_up = groups()
+            phase[0] = "steps"
+            rows = [torch.randint(0, model_config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(k))
+                    for k in range(4)]
+            for k in range(3):
+                engine.train_step(rows[k], rows[k + 1] if engine.forwards_ahead and k < 2 else None)
+                if k == 0:
+                    engine.eval_step(rows[3])
+            engine.finish()
+            return uses, after_start_up, groups()
+        finally:
+            phase[0] = "teardown"
+            shutdown_parallel()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule", ["pipedream-2bw", "1f1b"])
+def test_every_group_is_made_and_used_once_at_start_up_in_one_order_on_every_rank(schedule):
+    """NCCL sets a communicator up on its first operation (and connects two ranks on their first
+    message), waiting for its peers and allocating device memory: done mid-run, behind pipeline
+    messages still in flight, it can hang. So on pp 2 × dp 2 every group the run has is made before
+    its first step and first used inside the engine's start-up (mesh.start_communicators), no group is
+    made after it (not by the steps, their statistics, global clipping, an evaluation amid an
+    asynchronous pipeline's messages, nor the end), and the ranks use the groups they share for the
+    first time in the same order."""
+    reports = run_ranks(4, _first_uses, schedule)
+    first_uses = []
+    for rank, (uses, after_start_up, at_end) in enumerate(reports):
+        assert at_end == after_start_up, f"rank {rank} made groups after start-up"
+        first = {}
+        for phase, group in uses:
+            first.setdefault(group, phase)
+        late = {group: phase for group, phase in first.items() if phase != "start-up"}
+        assert not late, f"rank {rank}: groups first used outside the start-up: {late}"
+        assert set(first) == set(at_end), f"rank {rank}: groups never used at start-up: {set(at_end) - set(first)}"
+        assert {group for phase, group in uses if phase == "steps"}, "the steps used no group"
+        first_uses.append(list(first))
+    for a in range(4):
+        for b in range(a + 1, 4):
+            shared = set(first_uses[a]) & set(first_uses[b])
+            assert ([g for g in first_uses[a] if g in shared] == [g for g in first_uses[b] if g in shared]), (a, b)
+
+
+def test_on_gpus_the_default_group_is_bound_to_the_ranks_device(monkeypatch):
+    """With a device_id, NCCL sets the default group's communicator up at init_process_group and
+    splits every later group off it at once, rather than making each on its first operation; gloo
+    (CPU) takes none."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_asyncpp.parallel import mesh
+    from hf_asyncpp.parallel.launch import LaunchInfo
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    def init_process_group(**kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([(dist.HashStore(), 3, 4)]))
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    launch = LaunchInfo(world_size=4, rank=3, local_rank=1, launched=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    with pytest.raises(Started):
+        mesh.init_parallel(launch, 2)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1)
+    seen.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(Started):
+        mesh.init_parallel(launch, 2)
+    assert seen["backend"] == "gloo" and "device_id" not in seen

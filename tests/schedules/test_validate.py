@@ -26,7 +26,7 @@ from torch.distributed.pipelining.schedules import (
 
 from hf_asyncpp.schedules import SCHEDULES, ScheduleError, check_schedule, get_schedule_spec
 from hf_asyncpp.schedules.actions import gpipe_actions, one_f_one_b_actions
-from hf_asyncpp.schedules.comm_plan import P2PBatch
+from hf_asyncpp.schedules.comm_plan import Collective, HostWait, P2PBatch, plan_program
 from hf_asyncpp.schedules.registry import MODEL_COSTS
 from hf_asyncpp.schedules.validate import check_program
 
@@ -40,10 +40,15 @@ def parse(table: dict[int, str]) -> dict[int, list[_Action | None]]:
 
 def parse_program(table: dict[int, str]):
     """{rank: "0F0 0SEND_F0+0RECV_B0 0B0 ."}: '+' joins the operations of one batch, a lone send or
-    receive is a batch of one, '.' waits for the rank's sends."""
+    receive is a batch of one, '.' waits for the rank's sends, AR@g is an all-reduce on group g of all
+    the table's ranks, wait@g a host wait for the rank's collectives on g (wait@all: for everything)."""
     def entry(token):
         if token == ".":
             return None
+        if token.startswith("AR@"):  # an all-reduce on the named group of every rank in the table
+            return Collective(token[3:], frozenset(table))
+        if token.startswith("wait@"):  # the host waits for the named group's collectives, or for all
+            return HostWait(None if token == "wait@all" else token[5:])
         ops = [_Action.from_str(t) for t in token.split("+")]
         return P2PBatch(tuple(ops)) if ops[0].computation_type in COMMS else ops[0]
 
@@ -386,6 +391,90 @@ def test_rejects_a_send_posted_before_its_compute():
 def test_rejects_unpaired_sends():
     with pytest.raises(ScheduleError, match=r"sends and receives do not pair up: \['\(0, 1\): 2 sends, 1 receives'\]"):
         play({0: "0F0 0SEND_F0 0RECV_B0 0B0 0SEND_F0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"})
+
+
+# --- collectives on other communicators, and the host's waits -----------------------------------
+
+
+def test_rejects_a_collective_posted_with_a_send_pending_that_the_peer_receives_only_after_its_own():
+    """Rank 0 all-reduces its statistics on the default group with its activation still unreceived;
+    rank 1 posts that receive only after its own all-reduce. Under NCCL rank 0's collective kernel may
+    wait behind its send's, which waits for rank 1, whose collective waits for rank 0."""
+    with pytest.raises(ScheduleError, match=re.escape(
+            "rank 0, step 2: all_reduce@world is posted with 0SEND_F0 to rank 1 pending, whose receive rank 1 "
+            "posts only after its own all_reduce@world: under NCCL the collective's kernel may wait behind the "
+            "message's, which waits for rank 1, whose kernel waits in the collective for rank 0: a potential "
+            "deadlock")) as info:
+        play({0: "0F0 0SEND_F0 AR@world 0RECV_B0 0B0 .", 1: "AR@world 1RECV_F0 1F0 1B0 1SEND_B0 ."})
+    assert_has_table(str(info.value), error_step=2)
+
+
+def test_rejects_a_collective_posted_with_a_receive_pending_that_the_peer_sends_only_after_its_own():
+    with pytest.raises(ScheduleError, match=re.escape(
+            "rank 1, step 1: all_reduce@dp is posted with 1RECV_F0 from rank 0 pending, whose send rank 0 posts "
+            "only after its own all_reduce@dp")):
+        play({0: "AR@dp 0F0 0SEND_F0 0RECV_B0 0B0 .", 1: "1RECV_F0 AR@dp 1F0 1B0 1SEND_B0 ."})
+
+
+def test_a_collective_both_ranks_post_on_the_same_side_of_their_messages_runs():
+    """The same messages and all-reduce, both ends of each message before the collective (or after)."""
+    play({0: "0F0 0SEND_F0 AR@world 0RECV_B0 0B0 .", 1: "1RECV_F0 AR@world 1F0 1B0 1SEND_B0 ."})
+    play({0: "AR@world 0F0 0SEND_F0 0RECV_B0 0B0 wait@world .", 1: "AR@world wait@world 1RECV_F0 1F0 1B0 1SEND_B0 ."})
+
+
+def test_a_host_wait_blocks_until_what_it_waits_for_has_completed():
+    """Rank 0 reads its all-reduce's result (a host wait) before sending the activation that rank 1
+    needs before it reaches its own all-reduce: neither ever moves on."""
+    with pytest.raises(ScheduleError, match=re.escape(
+            "rank 0, step 1: deadlock: wait@world waits forever for world collective 0, which rank 1 has not "
+            "posted")):
+        play({0: "AR@world wait@world 0F0 0SEND_F0 0RECV_B0 0B0 .", 1: "1RECV_F0 1F0 AR@world 1B0 1SEND_B0 ."})
+    # Rank 1 waits for everything it posted, its receive too, before its all-reduce (a device synchronize).
+    with pytest.raises(ScheduleError, match=re.escape(
+            "rank 0, step 2: deadlock: wait@world waits forever for world collective 0, which rank 1 has not posted; "
+            "unfinished batches: rank 1: 1RECV_F0 (started)")):
+        play({0: "0F0 AR@world wait@world 0SEND_F0 0RECV_B0 0B0 .", 1: "1RECV_F0 wait@all AR@world 1F0 1B0 1SEND_B0 ."})
+
+
+def test_rejects_collectives_that_do_not_pair_up():
+    with pytest.raises(ScheduleError, match=re.escape("collectives do not pair up: ['world: rank 0 posts 2, rank 1 "
+                                                      "posts 1']")):
+        play({0: "AR@world 0F0 0SEND_F0 0RECV_B0 0B0 . AR@world", 1: "AR@world 1RECV_F0 1F0 1B0 1SEND_B0 ."})
+
+
+@pytest.mark.parametrize("name", sorted(n for n, spec in SCHEDULES.items() if spec.synchronous))
+def test_a_synchronous_schedules_steps_with_their_collectives_run(name):
+    """Each rank of a synchronous schedule, step after step as train_step runs it: the flushed step (its
+    sends waited for), clipping's all-reduce over the pipeline read on the host, the statistics
+    all-reduce on the default group, and the previous step's statistics read at the next step's end."""
+    spec = SCHEDULES[name]
+    for _, pp_size, m in [g for g in GRID if g[0] == name]:
+        to_rank = spec.stage_ranks(pp_size).__getitem__
+        ranks = frozenset(range(pp_size))
+        step = plan_program(spec.make_actions(pp_size, m), to_rank, spec.n_stages(pp_size))
+        program = {r: [] for r in step}
+        for k in range(3):
+            for r, ops in step.items():
+                program[r] += [*ops, None, Collective("pp", ranks), HostWait("pp"), Collective("world", ranks)]
+                program[r] += [HostWait("world")] if k else []
+        check_program(program, to_rank, spec.n_stages(pp_size))
+
+
+@pytest.mark.parametrize("name", ["pipedream-2bw", "pipedream"])
+@pytest.mark.parametrize("pp_size, m", [(2, 4), (4, 4), (4, 8)])
+def test_an_asynchronous_schedules_statistics_all_reduce_crosses_none_of_its_messages(name, pp_size, m):
+    """The statistics all-reduce at the end of each segment, the previous step's read at the next:
+    every message between two ranks is posted on the same side of it at both ends."""
+    from hf_asyncpp.schedules.async_order import SegmentPrograms
+
+    spec, steps, ranks = SCHEDULES[name], 3, frozenset(range(pp_size))
+    to_rank = spec.stage_ranks(pp_size).__getitem__
+    segments = SegmentPrograms(spec.order, pp_size, m, steps, to_rank, spec.n_stages(pp_size), 0, None)
+    program = {r: [] for r in range(pp_size)}
+    for k in range(steps):
+        for r in range(pp_size):
+            program[r] += [*segments.program(r, k), Collective("world", ranks)] + ([HostWait("world")] if k else [])
+    check_program(program, to_rank, spec.n_stages(pp_size))
 
 
 # --- clipping by the global norm (async_order.GlobalClipping) -----------------------------------
