@@ -230,7 +230,7 @@ def start_communicators(layout: ParallelLayout, rank_pairs: list[tuple[int, int]
         for group in (layout.pp_group, layout.eval_pp_group):
             _exchange(group, peer, device)
         if peer in links:
-            _exchange(links[peer], peer, device, batched=True)
+            _exchange(links[peer], peer, device)
     return links
 
 
