@@ -301,3 +301,32 @@ def test_runtime_records_whether_its_stages_were_initialised():
     assert "_stages_forward_initialized" in source
     source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
     assert "target_mbs[0]" in source and "arg_mbs[0]" in source
+
+
+# --- static stage metadata and fake tensors ----------------------------------------------------
+
+
+def test_runtime_asks_a_warmup_hook_for_the_stages_inference_mode():
+    """ProgramRuntime overrides `_warmup_p2p` to mark every stage's metadata static (its stages are
+    given their inputs and outputs, models/stage_io.py) instead of torch's vote."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    source = inspect.getsource(torch_schedules._PipelineSchedule._initialize_pp_stages)
+    assert "self._warmup_p2p(stages, self._has_backward, p2p_done)" in source
+    assert list(inspect.signature(torch_schedules._PipelineSchedule._warmup_p2p).parameters) == [
+        "self", "stages", "has_backward", "p2p_done"]
+    assert InferenceMode.STATIC.name == "STATIC"
+    stage_source = inspect.getsource(PipelineStage._prepare_forward_infra)
+    assert "self._inference_mode == InferenceMode.DYNAMIC" in stage_source
+    assert "self._stage_meta.inputs = self._user_meta.inputs" in stage_source
+    assert "is_complete_for_forward" in dir(torch.distributed.pipelining._utils._StageMeta)
+
+
+def test_fake_tensor_internals_used_by_stage_io_and_the_plan():
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # noqa: F401
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+
+    assert isinstance(fake_impls.op_implementations_dict, dict)
+    assert callable(fake_impls.register_op_impl) and callable(fake_impls.in_kernel_invocation_manager)
+    assert "fake" in torch.distributed.Backend.backend_list
