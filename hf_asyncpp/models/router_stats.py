@@ -39,7 +39,8 @@ def add_router_logits(stats: torch.Tensor, router_logits: list[torch.Tensor], to
         )
         probs = probs + routing_weights.float().sum(dim=0)
         rows += routing_weights.shape[0]
-    return stats + torch.cat([counts, probs, counts.new_tensor([float(rows)])])
+    # The row count is known on the host (shapes): filled on the device, not copied there.
+    return stats + torch.cat([counts, probs, counts.new_full((1,), float(rows))])
 
 
 def load_balancing_loss(stats: torch.Tensor) -> torch.Tensor:

@@ -84,14 +84,18 @@ class PipelineStageModule(nn.Module):
         if not is_recomputing():  # an activation-checkpointing recomputation is no second forward
             self._router_logits.append(output[0])
 
-    def _masks(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    def _masks(self, hidden: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        # No position_ids: given them (and no attention mask, no cache), masking_utils looks for packed
+        # sequences in them, a host read per forward (`find_packed_sequence_indices`). A stage's are
+        # always the default arange, one sequence per row, where that search finds none: the mask is
+        # the one HF builds from them.
         return {
             kind: _MASK_BUILDERS[kind](
                 config=self.config,
                 inputs_embeds=hidden,
                 attention_mask=None,
                 cache=None,
-                position_ids=position_ids,
+                position_ids=None,
             )
             for kind in set(self.attention_types.values())
         }
@@ -100,7 +104,7 @@ class PipelineStageModule(nn.Module):
         hidden = self.model.embed_tokens(x) if self.is_first else x
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
-        masks = self._masks(hidden, position_ids)
+        masks = self._masks(hidden)
 
         self._router_logits.clear()
         for index, layer in self.model.layers.items():
