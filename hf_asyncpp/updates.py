@@ -15,8 +15,10 @@ and applies its update at once.
 
 A held update reads nothing on the host until it is applied: its squared norm stays a device tensor
 through the all-reduce, and what the step reports of it (the norm, the stages whose gradient was
-non-finite) is read at the step's end, when the step's compute has finished anyway. On a GPU the host
-can then queue the next forward while the backward still runs, instead of waiting for it there.
+non-finite) stays on the device, written into the step's statistics (metrics.ReducedStepStats) and read
+with them. On a GPU the host can then queue the next forward while the backward still runs, instead of
+waiting for it there. A synchronous step reads its norm in the same transfer as the previous step's
+statistics; an asynchronous stage reads it once per update, when the update is applied.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def _reads_per_step(rank, world_size, schedule, optimizer, scope, ef):
     try:
         model_config = small_model_config("tiny-qwen3-moe")
         config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=2, schedule=schedule, optimizer=optimizer,
-                             ef=ef, learning_rate=3e-3, max_grad_norm=0.05, grad_clip_scope=scope, seq_len=SEQ,
+                             ef=ef, learning_rate=3e-3, max_grad_norm=0.0 if scope == "none" else 0.05,
+                             grad_clip_scope="global" if scope == "none" else scope, seq_len=SEQ,
                              micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS)
         engine = PipelineEngine(config, model_config, layout)
         rows = _rows(model_config.vocab_size, 1)
@@ -89,6 +90,8 @@ CONFIGS = [
     ("interleaved-1f1b", "adamw", "global", True),
     ("zbv", "sgd", "global", False),
     ("pipedream", "sgd", "global", True),
+    ("pipedream-2bw", "muon", "none", False),  # no clipping: the norm still decides a skip
+    ("1f1b", "soap", "none", True),
 ]
 
 
