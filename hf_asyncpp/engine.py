@@ -237,7 +237,9 @@ class PipelineEngine:
         else:
             self.run_microbatches(rows)
             busy = self.timer.take()
-            self.updates.apply_synchronous(self.updaters[0])
+            # The step's one host read: its norm, with the previous step's statistics (reviewed below).
+            unread = self._awaiting_review[-1][1] if self._awaiting_review else None
+            self.updates.apply_synchronous(self.updaters[0], read_along=unread)
             self.updates.ages = dict.fromkeys(self.stage_ids, 0)
         for stage, counter in self._routing_load_counters if synchronous else ():
             if stage not in self.updates.skipped:  # a skipped minibatch leaves the routing biases too

@@ -119,68 +119,97 @@ class ReducedStepStats:
     the same averaged gradient), every rank its idle fraction and whether it was asked to terminate.
     `value()` waits for the reduction, which by then has usually long finished; nothing else does, so
     no rank waits for another between steps.
+
+    Nothing is read on the host to build it: what the host knows (counts, ages, idle time) is copied
+    to the device once, and the losses and norms, device tensors, are written into that vector there.
+    Its values are read once, by `value()` or along with another value (`read_with`).
     """
 
     _HEAD = 6
 
-    def __init__(self, loss_records, layout, n_stages: int, grad_sq_norm: float | None = None,
+    def __init__(self, loss_records, layout, n_stages: int, grad_sq_norm=None,
                  idle_fraction: float = 0.0, version_age_by_stage: dict[int, int] | None = None,
                  nonfinite_grad_stages=(), skipped_by_stage: dict[int, int] | None = None,
                  termination_requested: bool = False, skipped_earlier_by_stage: dict[int, int] | None = None):
-        import math
-
+        """`grad_sq_norm`: a float64 device scalar (or None); `nonfinite_grad_stages`: stage → a 0/1
+        float64 device scalar, or the stages that were non-finite."""
         import torch
         import torch.distributed as dist
 
         world_size = layout.world_size
         self._world_size, self._n_stages = world_size, n_stages
-        # Filled on the host (the losses read in one transfer), then one copy to the device.
+        # What the host knows, one copy to the device.
         v = [0.0] * (self._HEAD + world_size + 4 * n_stages)
-        losses = torch.stack([t.double() for pair in loss_records for t in pair]).tolist() if loss_records else []
-        for lm, aux in zip(losses[0::2], losses[1::2]):
-            v[0] += lm
-            v[1] += aux
-            v[2] += 1
-            v[4] += not (math.isfinite(lm) and math.isfinite(aux))
-        v[3] = grad_sq_norm or 0.0
+        v[2] = float(len(loss_records))
         v[5] = float(termination_requested)
         v[self._HEAD + layout.rank] = idle_fraction
         per_stage = self._HEAD + world_size
         for stage, age in (version_age_by_stage or {}).items():
             v[per_stage + stage] = age
-        for stage in nonfinite_grad_stages:
-            v[per_stage + n_stages + stage] = 1
+        if not isinstance(nonfinite_grad_stages, dict):
+            for stage in nonfinite_grad_stages:
+                v[per_stage + n_stages + stage] = 1
         for stage, count in (skipped_by_stage or {}).items():
             v[per_stage + 2 * n_stages + stage] = count
         for stage, count in (skipped_earlier_by_stage or {}).items():
             v[per_stage + 3 * n_stages + stage] = count
-        self._vector = torch.tensor(v, dtype=torch.float64, device=layout.device)
+        vector = torch.tensor(v, dtype=torch.float64, device=layout.device)
+        # What the device holds, written there.
+        if loss_records:
+            lm = torch.stack([pair[0] for pair in loss_records]).to(vector.device, torch.float64)
+            aux = torch.stack([pair[1] for pair in loss_records]).to(vector.device, torch.float64)
+            lm_sum, aux_sum = vector[0], vector[1]
+            for i in range(len(loss_records)):  # in microbatch order, as a sum on the host adds them
+                lm_sum, aux_sum = lm_sum + lm[i], aux_sum + aux[i]
+            vector[0], vector[1] = lm_sum, aux_sum
+            vector[4] = (~(torch.isfinite(lm) & torch.isfinite(aux))).sum()
+        if grad_sq_norm is not None:
+            vector[3] = grad_sq_norm
+        if isinstance(nonfinite_grad_stages, dict):
+            for stage, flag in nonfinite_grad_stages.items():
+                vector[per_stage + n_stages + stage] = flag
+        self._vector = vector
         self._work = dist.all_reduce(self._vector, async_op=True)
         self._values: dict | None = None
 
     def done(self) -> bool:
         return self._values is not None or self._work.is_completed()
 
+    def read_with(self, extra):
+        """The values of device tensor `extra` (flattened, as float64), read in the same transfer as this
+        step's reduced statistics (which `value` then returns without reading)."""
+        import torch
+
+        extra = extra.reshape(-1).to(self._vector.device, torch.float64)
+        if self._values is not None:
+            return extra.tolist()
+        self._work.wait()
+        values = torch.cat([extra, self._vector]).tolist()
+        self._unpack(values[extra.numel():])
+        return values[:extra.numel()]
+
     def value(self, key: str):
         if self._values is None:
             self._work.wait()
-            v = self._vector.tolist()
-            count = max(v[2], 1.0)
-            stages = self._HEAD + self._world_size
-            s = self._n_stages
-            self._values = {
-                "loss": v[0] / count,
-                "aux_loss": v[1] / count,
-                "grad_norm": v[3] ** 0.5,
-                "nonfinite_loss_microbatches": int(v[4]),
-                "termination_requested": v[5] > 0,
-                "idle_fraction_per_rank": [round(x, 4) for x in v[self._HEAD:stages]],
-                "weight_version_age_per_stage": [int(x) for x in v[stages:stages + s]],
-                "nonfinite_grad_stages": [i for i, x in enumerate(v[stages + s:stages + 2 * s]) if x > 0],
-                "skipped_updates_per_stage": [int(x) for x in v[stages + 2 * s:stages + 3 * s]],
-                "skipped_earlier_updates_per_stage": [int(x) for x in v[stages + 3 * s:]],
-            }
+            self._unpack(self._vector.tolist())
         return self._values[key]
+
+    def _unpack(self, v: list[float]) -> None:
+        count = max(v[2], 1.0)
+        stages = self._HEAD + self._world_size
+        s = self._n_stages
+        self._values = {
+            "loss": v[0] / count,
+            "aux_loss": v[1] / count,
+            "grad_norm": v[3] ** 0.5,
+            "nonfinite_loss_microbatches": int(v[4]),
+            "termination_requested": v[5] > 0,
+            "idle_fraction_per_rank": [round(x, 4) for x in v[self._HEAD:stages]],
+            "weight_version_age_per_stage": [int(x) for x in v[stages:stages + s]],
+            "nonfinite_grad_stages": [i for i, x in enumerate(v[stages + s:stages + 2 * s]) if x > 0],
+            "skipped_updates_per_stage": [int(x) for x in v[stages + 2 * s:stages + 3 * s]],
+            "skipped_earlier_updates_per_stage": [int(x) for x in v[stages + 3 * s:]],
+        }
 
 
 @dataclass

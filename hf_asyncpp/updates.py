@@ -15,8 +15,10 @@ and applies its update at once.
 
 A held update reads nothing on the host until it is applied: its squared norm stays a device tensor
 through the all-reduce, and what the step reports of it (the norm, the stages whose gradient was
-non-finite) is read at the step's end, when the step's compute has finished anyway. On a GPU the host
-can then queue the next forward while the backward still runs, instead of waiting for it there.
+non-finite) stays on the device, written into the step's statistics (metrics.ReducedStepStats) and read
+with them. On a GPU the host can then queue the next forward while the backward still runs, instead of
+waiting for it there. A synchronous step reads its norm in the same transfer as the previous step's
+statistics; an asynchronous stage reads it once per update, when the update is applied.
 """
 
 from __future__ import annotations
@@ -85,23 +87,29 @@ class Updates:
         self.ages: dict[int, int] = {}
         self._steps += 1
 
-    # --- what a step reports (host reads: call at the step's end) ------------------------------------
+    # --- what a step reports (device tensors: nothing is read on the host) -------------------------
 
-    def grad_sq_norm(self) -> float:
-        """The squared gradient norm this rank reports for the step: per updater the mean over its
-        updates (m of them with per-microbatch updates), summed."""
-        means = []
+    def grad_sq_norm(self) -> torch.Tensor | None:
+        """The squared gradient norm this rank reports for the step, a float64 device scalar (None
+        without an update): per updater the mean over its updates (m of them with per-microbatch
+        updates), summed — in the order a sum of the values on the host would add them."""
+        total = None
         for norms in self._sq_norms.values():
-            values = torch.stack(norms).tolist()
-            means.append(sum(values) / len(values))
-        return sum(means)
+            summed = norms[0]
+            for norm in norms[1:]:
+                summed = summed + norm
+            mean = summed / len(norms)
+            total = mean if total is None else total + mean
+        return total
 
-    def nonfinite_stages(self) -> set[int]:
-        """The stages whose gradient was non-finite in an update of the step."""
-        if not self._stage_sq_norms:
-            return set()
-        finite = torch.isfinite(torch.stack([squared for _, squared in self._stage_sq_norms])).tolist()
-        return {stage for (stage, _), ok in zip(self._stage_sq_norms, finite) if not ok}
+    def nonfinite_stages(self) -> dict[int, torch.Tensor]:
+        """Per stage updated in the step, whether its gradient was non-finite in one of its updates: a
+        0/1 float64 device scalar."""
+        flags: dict[int, torch.Tensor] = {}
+        for stage, squared in self._stage_sq_norms:
+            flag = (~torch.isfinite(squared)).double()
+            flags[stage] = flag if stage not in flags else torch.maximum(flags[stage], flag)
+        return flags
 
     def take_skipped(self) -> tuple[dict[int, int], dict[int, int]]:
         """Per stage, the updates skipped since the last call (call once per step, at its report), and
@@ -120,13 +128,16 @@ class Updates:
 
     # --- the three ways to a norm ----------------------------------------------------------------
 
-    def apply_synchronous(self, updater: Updater) -> bool:
-        """A synchronous step: the norm over this rank's stages and, all-reduced, the pipeline's."""
+    def apply_synchronous(self, updater: Updater, read_along=None) -> bool:
+        """A synchronous step: the norm over this rank's stages and, all-reduced, the pipeline's. Its
+        host read carries `read_along` (the previous step's ReducedStepStats, read_with) in the same
+        transfer: the step's one read."""
         squared = self._prepare(updater)
         if self.layout.pp_size > 1:
             squared = squared.to(self.layout.device, copy=True)  # the recorded value stays this rank's
             dist.all_reduce(squared, group=self.layout.pp_group)
-        return self.step(updater, squared.sqrt().item())
+        norm = squared.sqrt()
+        return self.step(updater, read_along.read_with(norm)[0] if read_along is not None else norm.item())
 
     def apply_together(self, updaters: list[Updater], steppers: list) -> list[bool]:
         """Stages emulated in one process, each through its own stepper: clipped by the norm of all of

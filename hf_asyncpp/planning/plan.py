@@ -85,9 +85,10 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         layout = init_parallel(LaunchInfo(world_size, rank, rank, launched=True), config.pp_size)
-        tracker, reads = MemoryTracker(), HostReads()
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        tracker, reads = MemoryTracker(fake_mode), HostReads()
         m, rows = config.n_microbatches, config.micro_batch_size * config.n_microbatches
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker, reads:
+        with fake_mode, tracker, reads:
             engine = PipelineEngine(config, model_config, layout)
             handles = _hooks(tracker, engine)
             tokens = torch.zeros(rows, config.seq_len, dtype=torch.long)

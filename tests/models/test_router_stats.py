@@ -39,3 +39,14 @@ def test_gradient_flows_through_router_probabilities_like_hf():
     load_balancing_loss(add_router_logits(empty_router_stats(num_experts), list(ours), top_k)).backward()
     load_balancing_loss_func(tuple(theirs), num_experts, top_k).backward()
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-7)
+
+
+def test_folding_a_stages_logits_copies_nothing_from_the_host(monkeypatch):
+    """A copy from the host waits for the device on a GPU (pageable memory): the row count, known from
+    shapes, is filled on the device instead."""
+    copies = []
+    new_tensor, tensor = torch.Tensor.new_tensor, torch.tensor
+    monkeypatch.setattr(torch.Tensor, "new_tensor", lambda *a, **k: copies.append("new_tensor") or new_tensor(*a, **k))
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: copies.append("tensor") or tensor(*a, **k))
+    stats = add_router_logits(empty_router_stats(4), [torch.randn(6, 4) for _ in range(2)], 2)
+    assert copies == [] and stats[-1] == 12

@@ -1,0 +1,110 @@
+"""The host-sync budget of a steady training step (docs/ARCHITECTURE.md, "Host syncs").
+
+On 2 gloo ranks (pp 2), every host read of a tensor made inside `train_step` is recorded with its call
+site (tests/host_reads.py), over steps that are neither the first (torch's stage infers shapes) nor
+the drain. The budget: no read inside a microbatch's forward, backward or loss; per step and rank, one
+read where the step is reviewed (the previous step's reduced statistics, carrying a synchronous
+step's own gradient norm in the same transfer), plus, for an asynchronous stage, one per update
+applied: the host decides there whether a non-finite update is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.host_reads import READS, host_reads_recorded
+from tests.ranks import run_ranks
+from tests.test_engine import small_model_config
+from tests.test_engine_async import M, MBS, SEQ, _rows
+
+STEPS = 5  # steps 2..4 are steady: the first infers shapes, the fifth drains
+STEADY = range(1, STEPS - 1)
+# Functions a microbatch runs in: a read under one of them happens m times a step.
+MICROBATCH_FRAMES = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "PipelineLoss.__call__",
+                     "PipelineStageModule.forward")
+
+
+def _in_microbatch(stack) -> bool:
+    """Whether a read's callers, up to train_step, include a microbatch's compute."""
+    inside = stack[:stack.index("PipelineEngine.train_step")] if "PipelineEngine.train_step" in stack else stack
+    return any(frame.endswith(MICROBATCH_FRAMES) for frame in inside)
+
+
+def _reads_per_step(rank, world_size, schedule, optimizer, scope, ef):
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), 2)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=2, schedule=schedule, optimizer=optimizer,
+                             ef=ef, learning_rate=3e-3, max_grad_norm=0.0 if scope == "none" else 0.05,
+                             grad_clip_scope="global" if scope == "none" else scope, seq_len=SEQ,
+                             micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS)
+        engine = PipelineEngine(config, model_config, layout)
+        rows = _rows(model_config.vocab_size, 1)
+        per_step, updates = [], []
+        for k in range(STEPS):
+            next_rows = rows[k + 1] if engine.forwards_ahead and k + 1 < STEPS else None
+            applied = []
+            original_step = engine.updates.step
+
+            def counting_step(*args, **kwargs):
+                applied.append(1)
+                return original_step(*args, **kwargs)
+
+            engine.updates.step = counting_step
+            with host_reads_recorded() as reads:
+                engine.train_step(rows[k], next_rows)
+            engine.updates.step = original_step
+            per_step.append([(r.kind, r.site, _in_microbatch(r.stack)) for r in reads])
+            updates.append(len(applied))
+        engine.finish()
+        return per_step, updates, engine.versioned != []
+    finally:
+        shutdown_parallel()
+
+
+def test_the_recorder_sees_each_kind_of_host_read():
+    import torch
+
+    value, mask = torch.tensor([2.0]), torch.tensor([True])
+    with host_reads_recorded() as reads:
+        value.item(), value.tolist(), value.cpu(), float(value), bool(value), value.numpy(), int(value)
+        [0, 1][torch.tensor(1)], value.nonzero(), value.unique(), value.masked_select(mask)
+        torch.nonzero(value), torch.unique(value), torch.masked_select(value, mask), value.to("cpu")
+        value.to(torch.float64), value.to(value.device)  # neither a host copy
+    assert [read.kind for read in reads] == list(READS) + ["nonzero", "unique", "masked_select", "to('cpu')"]
+    assert all(read.site.startswith("tests/test_host_syncs.py:") for read in reads)
+
+
+CONFIGS = [
+    ("pipedream-2bw", "adamw", "global", True),
+    ("1f1b", "adamw", "global", False),
+    ("pipedream", "adamw", "stage", False),
+    ("gpipe", "muon", "global", False),
+    ("pipedream-2bw", "soap", "stage", False),
+    ("wpipe", "lion", "stage", False),
+    ("interleaved-1f1b", "adamw", "global", True),
+    ("zbv", "sgd", "global", False),
+    ("pipedream", "sgd", "global", True),
+    ("pipedream-2bw", "muon", "none", False),  # no clipping: the norm still decides a skip
+    ("1f1b", "soap", "none", True),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule,optimizer,scope,ef", CONFIGS)
+def test_a_steady_step_reads_the_device_once_and_once_per_asynchronous_update(schedule, optimizer, scope, ef):
+    for rank, (per_step, updates, asynchronous) in enumerate(run_ranks(2, _reads_per_step, schedule, optimizer,
+                                                                       scope, ef)):
+        for k in STEADY:
+            reads = per_step[k]
+            assert not [r for r in reads if r[2]], f"rank {rank} step {k + 1}: a read per microbatch: {reads}"
+            # The review's read (a synchronous step's norm with it), and an asynchronous stage's per update.
+            per_update = [r for r in reads if asynchronous and r[1].startswith("hf_asyncpp/updates.py:")]
+            others = [r for r in reads if r not in per_update]
+            assert len(others) <= 1, f"rank {rank} step {k + 1}: {len(others)} reads, not one: {reads}"
+            assert len(per_update) <= updates[k], f"rank {rank} step {k + 1}: more reads than updates: {reads}"
