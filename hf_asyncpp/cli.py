@@ -32,6 +32,11 @@ commands:
                                             depth × seed; writes results.md/.csv/.json and figures;
                                             says how many arms are left and about how long they take
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
+  plan CONFIG [--key value ...] [--world-size N] [--gpu-memory-gib G] [--allowance-gib A] [--json FILE]
+                                            each rank's peak device memory and its parts, played on
+                                            fake tensors through start-up and three steps at the
+                                            config's real size; exits 1 naming the rank that does
+                                            not fit G GiB less A (default 6) for CUDA and NCCL
   prepare-data SOURCE OUT_DIR --seq_len N [--tokenizer T] [--text_column C] [--blocks_per_shard B]
                [--dataset_config_name X] [--dataset_split S] [--dataset_revision R]
                [--num_proc P] [--max_tokens T]
@@ -192,6 +197,47 @@ def _prepare_data(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    import argparse
+    import json
+
+    from .config import ConfigError, load_config
+    from .planning.plan import ALLOWANCE_GIB, overshoot, plan_layout, table
+
+    parser = argparse.ArgumentParser(prog="hf-asyncpp plan", description="each rank's peak device memory, "
+                                     "played on fake tensors at the config's real size")
+    parser.add_argument("config")
+    parser.add_argument("--world-size", type=int, help="ranks in all (pp_size × dp); default pp_size")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    parser.add_argument("--allowance-gib", type=float, default=ALLOWANCE_GIB,
+                        help="kept free for the CUDA context, NCCL and fragmentation")
+    parser.add_argument("--json", dest="json_path", help="write every rank's plan here")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        config = load_config(args.config, overrides)
+        world_size = args.world_size or config.pp_size
+        if world_size % config.pp_size:
+            raise ConfigError(f"--world-size {world_size} is not a multiple of pp_size {config.pp_size}")
+        from .models.presets import build_config
+
+        model_config = build_config(config.model_config)
+    except (ConfigError, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    ranks = plan_layout(config, model_config, world_size)
+    print(table(ranks))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({
+            "config": args.config, "overrides": overrides, "world_size": world_size,
+            "gpu_memory_gib": args.gpu_memory_gib, "allowance_gib": args.allowance_gib, "ranks": ranks}, indent=2) + "\n")
+    over = overshoot(ranks, args.gpu_memory_gib, args.allowance_gib)
+    if over:
+        print(over, file=sys.stderr)
+        return 1
+    print(f"every rank fits a {args.gpu_memory_gib:g} GiB GPU with {args.allowance_gib:g} GiB to spare")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -214,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return _plot(rest)
     if command == "prepare-data":
         return _prepare_data(rest)
+    if command == "plan":
+        return _plan(rest)
     print(f"unknown command '{command}'\n{_USAGE}", file=sys.stderr)
     return 2
 

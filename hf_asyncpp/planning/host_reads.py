@@ -28,10 +28,10 @@ def _read_zeros(t: torch.Tensor, read, *args, **kwargs):
 
 
 def _call_site() -> str:
-    """The innermost frame outside torch: the code that asked for the value."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        if f"{_PACKAGE}/planning" not in frame.filename and "/torch/" not in frame.filename:
-            return f"{frame.filename.rpartition(_PACKAGE + '/')[2] or frame.filename}:{frame.lineno} ({frame.name})"
+    """The innermost frame outside torch and this module: the code that asked for the value."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename != __file__ and "/torch/" not in frame.filename:
+            return f"{frame.filename.rpartition(_PACKAGE + '/')[2]}:{frame.lineno} ({frame.name})"
     return "?"
 
 
@@ -42,7 +42,7 @@ class HostReads:
     def __init__(self, all_tensors: bool = False):
         self.all_tensors = all_tensors
         self.sites: Counter[str] = Counter()
-        self._saved: dict[str, object] = {}
+        self._saved: dict[tuple[type, str], object] = {}
         self.counting = True
 
     def _wrap(self, name: str, original):
@@ -54,14 +54,21 @@ class HostReads:
         return read
 
     def __enter__(self) -> HostReads:
-        for name in _READS:
-            self._saved[name] = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self._wrap(name, self._saved[name]))
+        originals = {name: torch.Tensor.__dict__.get(name, getattr(torch.Tensor, name)) for name in _READS}
+        # FakeTensor has a `tolist` of its own: replaced too (a fake tensor is never read for real).
+        for cls in (torch.Tensor, FakeTensor):
+            for name in _READS:
+                if cls is torch.Tensor or name in cls.__dict__:
+                    self._saved[(cls, name)] = cls.__dict__.get(name)
+                    setattr(cls, name, self._wrap(name, originals[name]))
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(torch.Tensor, name, original)
+        for (cls, name), original in self._saved.items():
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
         self._saved.clear()
 
     def total(self) -> int:

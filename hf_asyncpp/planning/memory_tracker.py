@@ -27,8 +27,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def __init__(self, fake_mode=None):
         super().__init__()
-        # Under fake tensors, only those of this mode count: a fake mode of its own inside (the stages'
-        # inputs and outputs worked out on fake copies, models/stage_io.py) holds nothing of the run.
+        # Only the tensors of `fake_mode` count (real ones when None): a fake mode of its own inside
+        # (the stages' inputs and outputs worked out on fake copies, models/stage_io.py) holds nothing.
         self.fake_mode = fake_mode
         self._ids = WeakIdKeyDictionary()  # storage → its id here
         self._bytes: dict[int, int] = {}  # id → bytes
@@ -43,7 +43,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _storage_id(self, t: torch.Tensor) -> int | None:
         local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor holds its shard
-        if local.device.type == "meta" or self.fake_mode is not None and getattr(local, "fake_mode", None) is not self.fake_mode:
+        if local.device.type == "meta" or getattr(local, "fake_mode", None) is not self.fake_mode:
             return None
         storage = local.untyped_storage()
         known = self._ids.get(storage)

@@ -143,3 +143,28 @@ def plan_layout(config, model_config, world_size: int, processes: int = 2) -> li
                    for pp in range(config.pp_size)}
         played = {pp: future.result() for pp, future in futures.items()}
     return [dict(played[r // dp], rank=r, dp_rank=r % dp) for r in range(world_size)]
+
+
+def overshoot(ranks: list[dict], gpu_memory_gib: float, allowance_gib: float = ALLOWANCE_GIB) -> str | None:
+    """One line naming the rank that exceeds a `gpu_memory_gib` GPU the most (after `allowance_gib`
+    for what the plan does not measure), or None when every rank fits."""
+    budget = (gpu_memory_gib - allowance_gib) * GiB
+    worst = max(ranks, key=lambda r: r["peak_bytes"])
+    if worst["peak_bytes"] <= budget:
+        return None
+    return (f"rank {worst['rank']} (pp rank {worst['pp_rank']}, stages {worst['stages']}) peaks at "
+            f"{worst['peak_bytes'] / GiB:.1f} GiB, {(worst['peak_bytes'] - budget) / GiB:.1f} GiB over the "
+            f"{budget / GiB:.1f} GiB a {gpu_memory_gib:g} GiB GPU leaves after {allowance_gib:g} GiB for the CUDA "
+            "context, NCCL and fragmentation")
+
+
+def table(ranks: list[dict]) -> str:
+    """Markdown: one row per pipeline rank (its dp replicas hold the same), GiB."""
+    shown = [r for r in ranks if r["dp_rank"] == 0]
+    head = ["pp rank", "stages", "peak GiB", *(k.replace("_", " ") for k in KINDS), "host reads / step"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in shown:
+        cells = [str(r["pp_rank"]), ",".join(map(str, r["stages"])), f"{r['peak_bytes'] / GiB:.2f}",
+                 *(f"{r[f'{k}_bytes'] / GiB:.2f}" for k in KINDS), str(r["host_reads_per_step"])]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -4,7 +4,7 @@ The stage's own parameters are the optimizer's master copy: the newest weights, 
 They hold no memory of their own: the master is the newest of a few version buffers (PipeDream-2BW:
 two buffers, so two copies of the stage's weights in all). An update first copies the master into
 the buffer of the next version, which no in-flight microbatch uses any more, makes the parameters
-that buffer's storage (`torch.utils.swap_tensors`, so the optimizer's parameter objects and their
+that buffer's storage (in place, or by `torch.utils.swap_tensors` for DTensors, so the optimizer's parameter objects and their
 state stay), then steps them: the previous version stays untouched in its buffer for the
 microbatches still bound to it. Each forward runs through `torch.func.functional_call` on the
 compute copy of one of the version buffers, so autograd saves references to that copy and the
@@ -187,9 +187,14 @@ class VersionedStage(nn.Module):
         for name, param in self.inner.named_parameters():  # each parameter object once
             if copy:
                 versions[name].copy_(param)
+            if not isinstance(param, DTensor):  # the same object, now on the buffer's storage
+                param.data = versions[name].data
+                continue
+            # A DTensor's `.data` does not reach its local shard: the whole object is swapped (which a
+            # tensor with weak references, e.g. any fake one, would refuse).
             alias = nn.Parameter(versions[name].data, requires_grad=param.requires_grad)
             grad, param.grad = param.grad, None
-            torch.utils.swap_tensors(param, alias)  # the same object, now on the buffer's storage
+            torch.utils.swap_tensors(param, alias)
             param.grad = grad
         self.master_buffer = buffer
 
