@@ -397,3 +397,50 @@ def test_an_asynchronous_pipeline_stopped_between_steps_tears_down_without_its_u
     at teardown (destroying them would wait for those sends under NCCL), the other groups destroyed."""
     for ended in run_ranks(2, _teardown_when_stopped):
         assert ended == {("link", "aborted"), ("another group", "destroyed")}
+
+
+def _receive_buffer_bytes(rank, world_size, schedule, n_microbatches):
+    """(bytes of this rank's stage's receive buffers, of one chunk's) after two steps."""
+    import torch
+
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+
+    layout = init_parallel(read_launch(), world_size)
+    try:
+        model_config = small_model_config("tiny-qwen3-moe")
+        config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=world_size, schedule=schedule, seq_len=SEQ,
+                             micro_batch_size=MBS, n_microbatches=n_microbatches, max_steps=2,
+                             grad_clip_scope=_scope(schedule))
+        engine = PipelineEngine(config, model_config, layout)
+        rows = torch.randint(0, model_config.vocab_size, (MBS * n_microbatches, SEQ),
+                             generator=torch.Generator().manual_seed(3))
+        engine.train_step(rows, rows)
+        engine.train_step(rows, None)
+        engine.finish()
+        (stage,) = engine.stages
+        chunks = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+        buffers = {id(i.buffer): i.buffer for infos in chunks for i in infos if i.buffer is not None}
+        one = sum(i.buffer.nbytes for i in (stage.args_recv_info[0] + stage.grad_recv_info[0]) if i.buffer is not None)
+        return sum(b.nbytes for b in buffers.values()), one, len(stage.args_recv_info)
+    finally:
+        shutdown_parallel()
+
+
+@pytest.mark.multirank
+def test_an_asynchronous_stage_holds_receive_buffers_for_the_microbatches_it_can_hold_only():
+    """PipeDream-2BW at pp 2, m 8: a stage holds at most 2 microbatches between their activation's
+    receive and their backward, so torch is given 2 chunk ids, not max(2m, m + p + 1) = 16: each
+    stage's receive buffers shrink eightfold (rank 0 its gradient buffers, rank 1 its activations)."""
+    from hf_asyncpp.schedules import get_schedule_spec
+
+    m = 8
+    n_slots = get_schedule_spec("pipedream-2bw").order.n_slots(2, m)
+    assert n_slots == 2
+    for held, one, chunks in run_ranks(2, _receive_buffer_bytes, "pipedream-2bw", m):
+        assert chunks == n_slots
+        assert one > 0 and held == n_slots * one
+        before = max(2 * m, m + 2 + 1) * one
+        assert held * 8 == before

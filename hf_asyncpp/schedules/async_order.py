@@ -4,7 +4,7 @@ segments, when each stage updates, and the weight version each microbatch is bou
 An asynchronous schedule never flushes: the actions of one optimizer step on a rank (its segment)
 may forward microbatches of the next minibatch, whose backward comes in the next segment. Actions
 use global microbatch ids j = k·m + i; the runtime maps them to torch's per-stage chunk slots
-j mod (2m). A stage updates after the backward of each minibatch's last microbatch, or after every
+j mod n_slots (`held_spans`: the fewest the order's plays allow). A stage updates after the backward of each minibatch's last microbatch, or after every
 backward; the new weights are version v = number of the stage's updates so far, held in buffer
 v mod n_buffers.
 `stream` concatenates the segments of n_steps steps; `SegmentPrograms` plans each segment's
@@ -19,7 +19,7 @@ from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 from .comm_plan import CommPlanner, P2PBatch
 from .validate import ScheduleError
 
-__all__ = ["AsyncOrder", "GlobalClipping", "SegmentPrograms", "check_versions", "replay_after"]
+__all__ = ["AsyncOrder", "GlobalClipping", "SegmentPrograms", "check_versions", "held_spans", "replay_after"]
 
 
 class AsyncOrder:
@@ -64,10 +64,21 @@ class AsyncOrder:
         return max(self.unit(j, n_microbatches) - self.delay(stage, pp_size, n_microbatches), 0)
 
     def n_slots(self, pp_size: int, n_microbatches: int) -> int:
-        """torch's chunk buffers per stage: microbatch j uses j mod n_slots. The microbatch ids in
-        flight on a stage span less than m + p (2m for 2BW-like orders); receives posted ahead of
-        need (comm_plan.py) must still find their buffer free, which the planner checks."""
-        return max(2 * n_microbatches, n_microbatches + pp_size + 1)
+        """torch's chunk ids per stage, each with a receive buffer per direction: microbatch j uses
+        j mod n_slots. The smallest count valid for every play of the order: the largest span of
+        microbatch ids a stage holds at once (`held_spans`)."""
+        return max(held_spans(self, pp_size, n_microbatches).values())
+
+    def span_plays(self, pp_size: int, n_microbatches: int) -> tuple["AsyncOrder", int, list[int]]:
+        """What `held_spans` plays: (an order whose plays hold what this one's do, its steps, the steps
+        it resumes at). Steps 0 (warm-up), 1…3 (steady: each segment is the one before shifted by m,
+        so from a repeated state on, every step repeats) and 4 (a drain: an early stop's last step is
+        that of a run of its length); resumed after steps 1 and 2 (a replay)."""
+        return self, 5, [2, 3]
+
+    def cache_key(self) -> tuple:
+        """What identifies the order's plays (for `held_spans`'s cache)."""
+        return (type(self).__name__, self.name)
 
     def buffer(self, stage: int, pp_size: int, version: int, n_microbatches: int) -> int:
         return version % self.n_buffers(stage, pp_size, n_microbatches)
@@ -150,6 +161,44 @@ def check_versions(order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps
                     )
 
 
+_SPANS: dict[tuple, dict[str, int]] = {}
+
+
+def held_spans(order: AsyncOrder, pp_size: int, n_microbatches: int) -> dict[str, int]:
+    """The largest span (max − min + 1) of the microbatch ids a stage holds at once, over all stages,
+    per kind (comm_plan.CommPlanner: "chunk", and the "activation" and "gradient" receive buffers),
+    in the plays the runtime can make: from the start, run to an end (drain), and resumed by replay.
+    Two ids held together differ by less than the span, so j mod n never gives them the same index
+    when n ≥ the span, whichever the residues and however long the run: a count of the span is
+    valid, and one fewer is not (the two ids at the ends of the widest span would share an index).
+    Computed once per (order, pp_size, m)."""
+    key = (order.cache_key(), pp_size, n_microbatches)
+    if key not in _SPANS:
+        played, n_steps, resumes = order.span_plays(pp_size, n_microbatches)
+        spans: dict[str, int] = {}
+        for start in [0, *resumes]:
+            replay = None
+            if start:
+                try:
+                    replay = replay_after(played, pp_size, n_microbatches, start - 1, n_steps)
+                except ScheduleError:  # an order that cannot resume (WPipe) never replays
+                    continue
+            plan = SegmentPrograms(played, pp_size, n_microbatches, n_steps, start_step=start, replay=replay,
+                                   keep=[], n_slots=None, **_placement(played, pp_size, n_microbatches))
+            for k in range(start, n_steps):
+                plan.program(0, k)
+            for (_, kind), span in plan.spans.items():
+                spans[kind] = max(spans.get(kind, 0), span)
+        _SPANS[key] = spans
+    return dict(_SPANS[key])
+
+
+def _placement(order: AsyncOrder, pp_size: int, n_microbatches: int) -> dict:
+    """The stages each rank runs, from the order itself: stage_to_rank and n_stages."""
+    ranks = {a.stage_index: r for r in range(pp_size) for a in order.segment(r, pp_size, n_microbatches, 0, 1)}
+    return {"stage_to_rank": ranks.__getitem__, "n_stages": len(ranks)}
+
+
 def replay_after(order: AsyncOrder, pp_size: int, n_microbatches: int, step: int, n_steps: int) -> dict[int, list[_Action]]:
     """Per rank, what a run resumed after `step` (steps 0..step done) re-executes, in its original
     order, before step `step + 1`'s segment: every action of an update unit that no stage has
@@ -188,12 +237,14 @@ class SegmentPrograms:
     then generated anew for the new last step."""
 
     def __init__(self, order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps: int, stage_to_rank,
-                 n_stages: int, start_step: int = 0, replay: dict[int, list[_Action]] | None = None, keep=None):
+                 n_stages: int, start_step: int = 0, replay: dict[int, list[_Action]] | None = None, keep=None,
+                 n_slots: int | None | str = "order"):
         self.order, self.pp_size, self.m = order, pp_size, n_microbatches
         self._n_steps, self._start, self._replay = n_steps, start_step, replay or {}
         self._cursor: dict[int, tuple[int, int]] = {}  # rank → (step, index) of its next, unplaced action
-        self._planner = CommPlanner(range(pp_size), self._actions_of, stage_to_rank, n_stages,
-                                    order.n_slots(pp_size, n_microbatches), keep)
+        if n_slots == "order":
+            n_slots = order.n_slots(pp_size, n_microbatches)
+        self._planner = CommPlanner(range(pp_size), self._actions_of, stage_to_rank, n_stages, n_slots, keep)
 
     def _step_actions(self, rank: int, step: int) -> list[_Action]:
         actions = self._replay.get(rank, []) if step == self._start else []
@@ -227,6 +278,11 @@ class SegmentPrograms:
         self._n_steps = n_steps
         for rank, (step, index) in self._cursor.items():
             self._planner.restart(rank, self._actions_of(rank, step, index))
+
+    @property
+    def spans(self) -> dict[tuple[int, str], int]:
+        """(stage, kind) → the largest span of microbatch ids it has held at once so far (CommPlanner)."""
+        return self._planner.spans
 
     def program(self, rank: int, step: int) -> list[_Action | P2PBatch]:
         """Rank `rank`'s program for step `step` (call for consecutive steps from `start_step`)."""

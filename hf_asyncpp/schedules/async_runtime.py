@@ -6,8 +6,11 @@ one segment of a continuous order (async_order.py: `SegmentPrograms`, with its c
 by comm_plan.py) through torch's own `_step_microbatches`, without clearing runtime state, so
 microbatches forwarded in step k are backwarded in step k + 1:
 
-  - torch's per-stage state is keyed by chunk id; global microbatch j uses slot j mod n_slots (the
-    planner checks that no slot is reused, nor received into, while its microbatch is in flight);
+  - torch's per-stage state is keyed by chunk id; global microbatch j uses slot j mod n_slots, the
+    fewest slots the order's plays allow (async_order.held_spans; the planner checks that no slot is
+    reused, nor received into, while another microbatch holds it). A slot may serve several
+    microbatches in one step, one after another: each forward takes the next microbatch of its
+    slot in program order, and its rows (first stage) and labels (last stage) by that id;
   - losses are kept per slot (torch's list would be cleared at the end of every call);
   - before each forward the stage's `VersionedStage` is bound to the version buffer the order
     assigns to that microbatch; autograd keeps the binding for the backward;
@@ -25,6 +28,7 @@ microbatches forwarded in step k are backwarded in step k + 1:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -64,7 +68,8 @@ class AsyncPipelineSchedule(ProgramRuntime):
         self.register_custom_function(REDUCE_GRAD, self._apply_due_update)
         self.update_stage, self.await_update = update_stage, await_update
         self.clipping = GlobalClipping(order, self.pp_size, n_microbatches)
-        self._slot_owner: dict[tuple[int, int], int] = {}  # (stage, slot) → global microbatch
+        self._slot_forwards: dict[tuple[int, int], deque[int]] = {}  # (stage, slot) → this step's forwards, in order
+        self._forwarding: int | None = None  # the global microbatch of the forward running now
         self._losses: dict[int, torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}  # minibatch index → its rows, while it may be forwarded
         self.step_index = 0
@@ -90,12 +95,14 @@ class AsyncPipelineSchedule(ProgramRuntime):
     def _bound_forward(self, stage: PipelineStage, forward):
         versioned: VersionedStage = stage.submod
 
-        def forward_on_version(chunk_id, *args, **kwargs):
-            j = self._slot_owner[(stage.stage_index, chunk_id)]
+        def forward_on_version(chunk_id, args, *rest, **kwargs):
+            j = self._forwarding = self._slot_forwards[(stage.stage_index, chunk_id)].popleft()
             self._await_for(_Action(stage.stage_index, FORWARD, j))
             version = self._version_of(stage.stage_index, j)
             versioned.active = self.order.buffer(stage.stage_index, self.pp_size, version, self.m)
-            return forward(chunk_id, *args, **kwargs)
+            if stage.is_first:
+                args = (self._microbatch(j),)
+            return forward(chunk_id, args, *rest, **kwargs)
 
         return forward_on_version
 
@@ -111,9 +118,15 @@ class AsyncPipelineSchedule(ProgramRuntime):
         if unit is not None:
             self.await_update(action.stage_index, unit)
 
+    def _microbatch(self, j: int) -> torch.Tensor:
+        if j // self.m not in self._rows:
+            raise ValueError(f"step {self.step_index} forwards microbatch {j} of minibatch {j // self.m}, whose rows "
+                             "were not given")
+        return self._rows[j // self.m].chunk(self.m)[j % self.m]
+
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
-        if stage.is_last and self._loss_fn is not None:
-            self._losses[mb_index] = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)
+        if stage.is_last and self._loss_fn is not None:  # right after the forward of `_forwarding`
+            self._losses[mb_index] = self._compute_loss(output, self._microbatch(self._forwarding), loss_kwargs)
 
     def _maybe_get_loss(self, stage, mb_index):
         return self._losses.pop(mb_index) if stage.is_last else None
@@ -124,33 +137,26 @@ class AsyncPipelineSchedule(ProgramRuntime):
         """Run this rank's program for step `step_index`. The first stage needs the rows of the
         minibatches it forwards and the last stage their labels: this step's, and the next one's when
         the order forwards ahead (pass `next_rows`; None on the last step)."""
-        step, m = self.step_index, self.m
+        step = self.step_index
         self._rows.update({k: r for k, r in ((step, rows), (step + 1, next_rows)) if r is not None})
         program = self._programs.program(self.rank, step)
+        self._slot_forwards = {}
+        ends = {0: None, self._num_stages - 1: None}  # a microbatch the first (last) stage forwards here
+        for a in program:
+            if is_compute(a) and a.computation_type == FORWARD:
+                j = a.microbatch_index
+                self._slot_forwards.setdefault((a.stage_index, j % self.n_slots), deque()).append(j)
+                if a.stage_index in ends:
+                    self._microbatch(j)  # its rows were given
+                    ends[a.stage_index] = j if ends[a.stage_index] is None else ends[a.stage_index]
+        # Forwards take their rows and labels by microbatch id (forward_on_version, _maybe_compute_loss);
+        # torch reads slot 0's only on its first call, to infer shapes (any microbatch serves).
         arg_mbs: list = [()] * self.n_slots
         target_mbs: list = [None] * self.n_slots
-        last_stage = self._num_stages - 1
-        for a in program:
-            if not is_compute(a):
-                continue
-            j = a.microbatch_index
-            slot = j % self.n_slots
-            self._slot_owner[(a.stage_index, slot)] = j
-            if a.computation_type != FORWARD or a.stage_index not in (0, last_stage):
-                continue
-            if j // m not in self._rows:
-                raise ValueError(f"step {step} forwards microbatch {j} of minibatch {j // m}, whose rows were not given")
-            microbatch = self._rows[j // m].chunk(m)[j % m]
-            if a.stage_index == 0:
-                arg_mbs[slot] = (microbatch,)
-            if a.stage_index == last_stage:
-                target_mbs[slot] = microbatch
-        if not self._stages_forward_initialized:
-            # torch infers shapes on its first call from slot 0's microbatch, which a resumed run's
-            # first segment may not use: any microbatch of this segment serves (only shapes matter).
-            arg_mbs[0] = arg_mbs[0] or next((a for a in arg_mbs if a), ())
-            target_mbs[0] = target_mbs[0] if target_mbs[0] is not None else next(
-                (t for t in target_mbs if t is not None), None)
+        if ends[0] is not None:
+            arg_mbs[0] = (self._microbatch(ends[0]),)
+        if ends[self._num_stages - 1] is not None:
+            target_mbs[0] = self._microbatch(ends[self._num_stages - 1])
         # What torch's step() does besides flushing: tell the stages a backward follows.
         for stage in self._stages:
             stage.has_backward = self._has_backward

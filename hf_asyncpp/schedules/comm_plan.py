@@ -129,22 +129,35 @@ class CommPlanner:
     """Plays the ranks' compute orders together and builds their programs (see the module docstring).
 
     `actions_of(rank)` iterates over (segment, action) of that rank's order, segments non-decreasing.
-    Programs are kept for the ranks in `keep` (default all); the others are only played. With
-    `n_slots`, microbatch j uses chunk buffer j mod n_slots on its stage: no forward may reuse, and no
-    receive land in, the buffer of a microbatch still between its forward and its backward."""
+    Programs are kept for the ranks in `keep` (default all); the others are only played.
+
+    The play also follows what each stage holds per microbatch, in its rank's program order (which
+    is the order its rank runs it in): its chunk state (torch's per-chunk entries: the posted
+    receive, the forward's cache) from its activation's receive, or its forward on a stage that
+    receives none, to its backward; its activation receive buffer from the receive to the backward
+    (autograd keeps the stage's input; to the forward in a `forward_only` play); its gradient
+    receive buffer from the receive to the backward (a split backward's weight half, W, ends them).
+    `spans[(stage, kind)]` is the largest span max − min + 1 of the microbatch ids held at once
+    ("chunk", "activation", "gradient"). Ids j and j' held together never share index j mod n when
+    n ≥ that span, whatever their residues: `n_slots` (chunk) and `pools` (per kind) check the play
+    against such counts, refusing a hold whose index a different microbatch still holds."""
 
     def __init__(self, ranks: Iterable[int], actions_of: Callable[[int], Iterator[tuple[int, _Action]]],
                  stage_to_rank: Callable[[int], int], n_stages: int, n_slots: int | None = None,
-                 keep: Iterable[int] | None = None):
+                 keep: Iterable[int] | None = None, pools: dict[str, int] | None = None, forward_only: bool = False):
         self.ranks = sorted(ranks)
         self.stage_to_rank, self.n_stages, self.n_slots = stage_to_rank, n_stages, n_slots
+        self.counts = {"chunk": n_slots, **(pools or {})}
+        self.forward_only = forward_only
+        self.spans: dict[tuple[int, str], int] = {}  # (stage, kind) → largest span of ids held at once
         self._actions = {r: actions_of(r) for r in self.ranks}
         self._next: dict[int, tuple[int, _Action] | None] = {r: self._pull(r) for r in self.ranks}
         self._keep = set(self.ranks if keep is None else keep)
         self._segment = {r: -1 for r in self.ranks}  # segment of the rank's last placed action
         self._program: dict[int, deque[tuple[int, object]]] = {r: deque() for r in self.ranks}
         self._produced: set[tuple[int, str, int]] = set()  # (stage, "F"/"B", mb) not yet consumed
-        self._in_flight: dict[tuple[int, int], int] = {}  # (stage, slot) → microbatch forwarded, not backwarded
+        self._held: dict[tuple[int, str], set[int]] = {}  # (stage, kind) → microbatches held
+        self._holder: dict[tuple[int, str, int], int] = {}  # (stage, kind, index) → the microbatch holding it
 
     def _pull(self, rank: int):
         return next(self._actions[rank], None)
@@ -166,40 +179,61 @@ class CommPlanner:
             head = self._next[rank]
             self._program[rank].append((self._segment[rank] if head is None else head[0], entry))
 
-    def _check_buffer(self, rank: int, leaf: _Action, what: str) -> None:
-        if self.n_slots is None:
+    def _hold(self, rank: int, stage: int, kind: str, j: int, what: str) -> None:
+        held = self._held.setdefault((stage, kind), set())
+        if j in held:
             return
-        holder = self._in_flight.get((leaf.stage_index, leaf.microbatch_index % self.n_slots))
-        if holder is not None and holder != leaf.microbatch_index:
-            raise PlanError(f"rank {rank}: {what} of microbatch {leaf.microbatch_index} needs the chunk buffer of "
-                            f"microbatch {holder}, which stage {leaf.stage_index} has not yet backwarded")
+        held.add(j)
+        span = max(held) - min(held) + 1
+        if span > self.spans.get((stage, kind), 0):
+            self.spans[(stage, kind)] = span
+        n = self.counts.get(kind)
+        if n is None:
+            return
+        holder = self._holder.setdefault((stage, kind, j % n), j)
+        if holder != j:
+            buffer = "chunk buffer" if kind == "chunk" else f"{kind} receive buffer"
+            raise PlanError(f"rank {rank}: {what} of microbatch {j} needs the {buffer} of microbatch {holder}, which "
+                            f"stage {stage} has not yet backwarded (index {j % n} of {n})")
+
+    def _release(self, stage: int, kind: str, j: int) -> None:
+        self._held.get((stage, kind), set()).discard(j)
+        n = self.counts.get(kind)
+        if n is not None and self._holder.get((stage, kind, j % n)) == j:
+            del self._holder[(stage, kind, j % n)]
 
     def _place(self, rank: int, segment: int, action: _Action) -> None:
         self._segment[rank] = segment
         self._emit(rank, action)
         for leaf in _leaves(action):
             s, kind, j = leaf.stage_index, leaf.computation_type, leaf.microbatch_index
-            slot = None if self.n_slots is None else (s, j % self.n_slots)
             if kind == FORWARD:
                 self._produced.discard((s - 1, "F", j))
                 self._produced.add((s, "F", j))
-                if slot:
-                    self._check_buffer(rank, leaf, "the forward")
-                    self._in_flight[slot] = j
+                self._hold(rank, s, "chunk", j, "the forward")
+                if self.forward_only:
+                    self._release(s, "chunk", j)
+                    self._release(s, "activation", j)
                 if s < self.n_stages - 1 and self.stage_to_rank(s + 1) != rank:
                     self._message(rank, _Action(s, SEND_F, j))
             elif kind in _BACKWARDS:
                 self._produced.discard((s + 1, "B", j))
                 self._produced.add((s, "B", j))
-                if slot:
-                    self._in_flight.pop(slot, None)
+                if kind == FULL_BACKWARD:  # BACKWARD_INPUT: its weight half still needs them
+                    for held in ("chunk", "activation", "gradient"):
+                        self._release(s, held, j)
                 if s > 0 and self.stage_to_rank(s - 1) != rank:
                     self._message(rank, _Action(s, SEND_B, j))
+            elif kind == BACKWARD_WEIGHT:
+                for held in ("chunk", "activation", "gradient"):
+                    self._release(s, held, j)
 
     def _message(self, rank: int, send: _Action) -> None:
         receive = matching_receive(send)
         receiver = self.stage_to_rank(receive.stage_index)
-        self._check_buffer(receiver, receive, "the receive")
+        s, j = receive.stage_index, receive.microbatch_index
+        self._hold(receiver, s, "chunk", j, "the receive")
+        self._hold(receiver, s, "activation" if receive.computation_type == RECV_F else "gradient", j, "the receive")
         self._emit(rank, send)
         self._emit(receiver, receive)
 

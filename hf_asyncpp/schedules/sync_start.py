@@ -60,5 +60,13 @@ class SyncStart(AsyncOrder):
             return self.unit(j, n_microbatches)  # the updates before it: delay 0
         return self.unit(shift, n_microbatches) + self.order.version(stage, pp_size, j - shift, n_microbatches)
 
-    def n_slots(self, pp_size: int, n_microbatches: int) -> int:
-        return self.order.n_slots(pp_size, n_microbatches)
+    def cache_key(self) -> tuple:
+        return (*self.order.cache_key(), min(self.sync_steps, 2))
+
+    def span_plays(self, pp_size: int, n_microbatches: int) -> tuple[AsyncOrder, int, list[int]]:
+        """A synchronous step flushes, so its play is its predecessor's shifted by m: two of them
+        hold what any number does, and the switch to the order is the same after two as after N.
+        Then the order's own plays, and resumes in the synchronous steps, at the switch and after it."""
+        head = min(self.sync_steps, 2)
+        _, n_steps, resumes = self.order.span_plays(pp_size, n_microbatches)
+        return SyncStart(self.order, head), head + n_steps, sorted({1, head, *(head + k for k in resumes)} - {0})
