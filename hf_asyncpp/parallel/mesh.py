@@ -150,7 +150,7 @@ def _io_backend() -> str:
 
 def _bound_collectives(groups, timeout: timedelta) -> None:
     """Make every collective on `groups` fail after `timeout` without its peers."""
-    for group in groups:
+    for group in groups if dist.get_backend() != "fake" else ():  # a fake group waits for nothing
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 

@@ -4,8 +4,8 @@ Every storage an operator creates is seen by a dispatch mode (fake tensors too: 
 sizes but no memory) and followed until it is freed. The allocations and frees form one log; the peak
 is a point in that log, and the storages live there are named afterwards by what they were labelled
 while they lived (`label`: master weights, weight versions, gradients, optimizer state, ...). Storages
-never labelled are what the microbatches held between operators (activations, created during a
-forward) or what an operator needed for itself (temporaries, created anywhere else).
+never labelled are what the microbatches held between operators ("activation": created during a
+forward) or what an operator needed for itself ("temporary": created anywhere else).
 """
 
 from __future__ import annotations
@@ -93,6 +93,6 @@ class MemoryTracker(TorchDispatchMode):
                 live.discard(-event)
         parts: dict[str, int] = {}
         for sid in live:
-            kind = self._label.get(sid) or ("activations" if sid in self._born_in_forward else "temporaries")
+            kind = self._label.get(sid) or ("activation" if sid in self._born_in_forward else "temporary")
             parts[kind] = parts.get(kind, 0) + self._bytes[sid]
         return parts

@@ -30,8 +30,8 @@ ALLOWANCE_GIB = 6.0  # CUDA context (~0.5-1 GiB), NCCL communicators and buffers
 GiB = 2**30
 STEPS = 3  # one to warm up, two steady
 # The kinds of a rank's memory at its peak, in the order they are reported.
-KINDS = ("parameters", "weight_versions", "compute_copies", "gradients", "optimizer_state", "ef_buffers",
-         "receive_buffers", "activations", "temporaries")
+KINDS = ("parameter", "weight_version", "compute_copy", "gradient", "optimizer_state", "ef_buffer",
+         "receive_buffer", "activation", "temporary")
 
 
 def _tensors(values) -> list[torch.Tensor]:
@@ -42,15 +42,15 @@ def _label_state(tracker: MemoryTracker, engine) -> None:
     """Name every kind of state the engine holds now (called while it runs, as often as it helps)."""
     for updater in engine.updaters:
         tracker.label(_tensors(v for s in updater.optimizer.state.values() for v in s.values()), "optimizer_state")
-        tracker.label(_tensors(getattr(updater.stepper, "previous_update", {}).values()), "ef_buffers")
+        tracker.label(_tensors(getattr(updater.stepper, "previous_update", {}).values()), "ef_buffer")
     for stage in engine.stages:
         for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
-            tracker.label(_tensors(getattr(info, "buffer", None) for info in infos), "receive_buffers")
+            tracker.label(_tensors(getattr(info, "buffer", None) for info in infos), "receive_buffer")
     for versioned in engine.versioned:
-        tracker.label(_tensors(t for c in versioned.live_compute_copies() for t in c.values()), "compute_copies")
-        tracker.label(_tensors(t for b in versioned.buffers_ for t in b.values()), "weight_versions")
-    tracker.label(_tensors(p.grad for p in engine.params), "gradients")
-    tracker.label(engine.params, "parameters")  # last: the master is also one of the version buffers
+        tracker.label(_tensors(t for c in versioned.live_compute_copies() for t in c.values()), "compute_copy")
+        tracker.label(_tensors(t for b in versioned.buffers_ for t in b.values()), "weight_version")
+    tracker.label(_tensors(p.grad for p in engine.params), "gradient")
+    tracker.label(engine.params, "parameter")  # last: the master is also one of the version buffers
 
 
 def _hooks(tracker: MemoryTracker, engine) -> list:

@@ -22,7 +22,7 @@ def test_the_peak_is_the_most_bytes_live_at_once_and_its_parts_are_what_was_live
         view = c[:10]  # a view shares its storage: no new bytes
     assert tracker.peak_bytes == 6 * MiB
     assert tracker.live_bytes == 5 * MiB
-    assert tracker.peak_parts() == {"parameters": MiB, "temporaries": 5 * MiB}
+    assert tracker.peak_parts() == {"parameters": MiB, "temporary": 5 * MiB}
     del view
 
 
@@ -34,7 +34,7 @@ def test_forward_allocations_count_as_activations_and_tensors_made_before_can_be
         tracker.in_forward += 1
         kept = made_before * 2
         tracker.in_forward -= 1
-    assert tracker.peak_parts() == {"parameters": MiB, "activations": MiB}
+    assert tracker.peak_parts() == {"parameters": MiB, "activation": MiB}
     assert kept.numel()
 
 
