@@ -4,8 +4,8 @@ For each pipeline rank of the layout, one process plays that rank: a fake proces
 world size (every collective and message returns at once, with no peer), fake tensors (shapes, dtypes
 and every allocation real, no memory), and the engine the run would build — this rank's stages, the
 compute policy, FSDP2 over dp, weight versions, optimizer, Error Feedback, activation checkpointing —
-through start-up and three training steps of its schedule (the first one warms up: optimizer state
-and receive buffers appear; the next two are steady). `MemoryTracker` follows every tensor it creates
+through start-up, three training steps of its schedule (the first one warms up: optimizer state
+and receive buffers appear; the next two are steady) and an evaluation. `MemoryTracker` follows every tensor it creates
 and reports the peak of live bytes and what was live then; `HostReads` counts reads of tensor values
 by the host through the steady steps. dp replicas of a stage hold the same amounts: one is played.
 
@@ -43,7 +43,8 @@ def _label_state(tracker: MemoryTracker, engine) -> None:
     for updater in engine.updaters:
         tracker.label(_tensors(v for s in updater.optimizer.state.values() for v in s.values()), "optimizer_state")
         tracker.label(_tensors(getattr(updater.stepper, "previous_update", {}).values()), "ef_buffer")
-    for stage in engine.stages:
+    evaluation = engine._eval_schedule._stages if engine._eval_schedule is not None else []
+    for stage in engine.stages + evaluation:
         for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
             tracker.label(_tensors(getattr(info, "buffer", None) for info in infos), "receive_buffer")
     for versioned in engine.versioned:
@@ -97,6 +98,9 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
                 reads.take()
                 engine.train_step(tokens, tokens if engine.forwards_ahead else None)
                 per_step.append(reads.take())
+            # An evaluation between steps, as a run makes every eval_steps (its own stages and buffers).
+            engine.eval_step(tokens)
+            eval_reads = reads.take()
             _label_state(tracker, engine)
             for handle in handles:
                 handle.remove()
@@ -110,6 +114,7 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
             "host_reads_per_step": max(sum(s.values()) for s in steady),
             "host_reads_per_microbatch": max(sum(s.values()) for s in steady) / m,
             "host_read_sites": {site: max(s[site] for s in steady) for site in sites},
+            "host_reads_per_evaluation": sum(eval_reads.values()),
         }
     finally:
         shutdown_parallel(peers_alive=False)
