@@ -460,21 +460,29 @@ def test_a_synchronous_schedules_steps_with_their_collectives_run(name):
         check_program(program, to_rank, spec.n_stages(pp_size))
 
 
-@pytest.mark.parametrize("name", ["pipedream-2bw", "pipedream"])
-@pytest.mark.parametrize("pp_size, m", [(2, 4), (4, 4), (4, 8)])
-def test_an_asynchronous_schedules_statistics_all_reduce_crosses_none_of_its_messages(name, pp_size, m):
+ASYNC_GRID = [(name, pp_size, m) for name, pp_size, m in GRID if not SCHEDULES[name].synchronous and pp_size in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("name", sorted({name for name, _, _ in ASYNC_GRID}))
+@pytest.mark.parametrize("sync_steps", [0, 2])
+def test_an_asynchronous_schedules_statistics_all_reduce_crosses_none_of_its_messages(name, sync_steps):
     """The statistics all-reduce at the end of each segment, the previous step's read at the next:
-    every message between two ranks is posted on the same side of it at both ends."""
+    every message between two ranks is posted on the same side of it at both ends (pp 2, 4, 8, every
+    m the schedule accepts, with and without a sync start). Before the planner posted a receive in
+    its send's segment (comm_plan.CommPlanner._emit), WPipe crossed at every size (rank 1 posted the
+    all-reduce with 3SEND_B0 to rank 0 pending, which rank 0 received only in its next segment) and
+    PipeDream-2BW at pp 8 with 3 <= m <= 6."""
     from hf_asyncpp.schedules.async_order import SegmentPrograms
 
-    spec, steps, ranks = SCHEDULES[name], 3, frozenset(range(pp_size))
-    to_rank = spec.stage_ranks(pp_size).__getitem__
-    segments = SegmentPrograms(spec.order, pp_size, m, steps, to_rank, spec.n_stages(pp_size), 0, None)
-    program = {r: [] for r in range(pp_size)}
-    for k in range(steps):
-        for r in range(pp_size):
-            program[r] += [*segments.program(r, k), Collective("world", ranks)] + ([HostWait("world")] if k else [])
-    check_program(program, to_rank, spec.n_stages(pp_size))
+    spec, steps = get_schedule_spec(name).starting_synchronously(sync_steps), 4
+    for _, pp_size, m in [g for g in ASYNC_GRID if g[0] == name]:
+        ranks, to_rank = frozenset(range(pp_size)), spec.stage_ranks(pp_size).__getitem__
+        segments = SegmentPrograms(spec.order, pp_size, m, steps, to_rank, spec.n_stages(pp_size), 0, None)
+        program = {r: [] for r in range(pp_size)}
+        for k in range(steps):
+            for r in range(pp_size):
+                program[r] += [*segments.program(r, k), Collective("world", ranks)] + ([HostWait("world")] if k else [])
+        check_program(program, to_rank, spec.n_stages(pp_size))
 
 
 # --- clipping by the global norm (async_order.GlobalClipping) -----------------------------------
@@ -510,7 +518,7 @@ def test_one_stage_per_rank_orders_clip_globally_without_deadlock(schedule, pp_s
 def test_wpipe_cannot_clip_globally_its_second_group_would_wait_for_its_own_rank():
     """WPipe's second group (delay 0) needs unit k's update before its first forward of k + 1, which
     on rank 0 comes before rank 0's own first-group backward of k: the norm it waits for is its own."""
-    with pytest.raises(ScheduleError, match="rank 0, step 20: deadlock: 2F2 waits forever for the global gradient "
+    with pytest.raises(ScheduleError, match="rank 0, step 19: deadlock: 2F2 waits forever for the global gradient "
                                             "norm of update unit 0, which stage 0 has not posted"):
         get_schedule_spec("wpipe").actions(2, 2, clip_globally=True)
     get_schedule_spec("wpipe").actions(2, 2)  # per-stage clipping: nothing waits
