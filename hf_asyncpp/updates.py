@@ -18,7 +18,8 @@ through the all-reduce, and what the step reports of it (the norm, the stages wh
 non-finite) stays on the device, written into the step's statistics (metrics.ReducedStepStats) and read
 with them. On a GPU the host can then queue the next forward while the backward still runs, instead of
 waiting for it there. A synchronous step reads its norm in the same transfer as the previous step's
-statistics; an asynchronous stage reads it once per update, when the update is applied.
+statistics; an asynchronous stage reads it once per update, when the update is applied, and one of
+those reads a step carries the previous step's statistics too (`carry`; where: async_order.statistics_read).
 """
 
 from __future__ import annotations
