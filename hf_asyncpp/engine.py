@@ -133,7 +133,8 @@ class PipelineEngine:
         elif self.versioned:
             self.schedule = AsyncPipelineSchedule(self.stages, m, timed_loss, self.spec, config.max_steps,
                                                   update_stage=self._update_stage, await_update=self._await_update,
-                                                  links=links)
+                                                  links=links, updates_held=self.updates.holds_for_global_norm,
+                                                  statistics_carried=self._statistics_carried)
         else:
             self.schedule = build_schedule(self.spec, self.stages, m, timed_loss, links)
         self._routing_load_counters = [(s, m.routing_load) for s, m in zip(self.stage_ids, self.modules)
@@ -197,6 +198,20 @@ class PipelineEngine:
         """Apply every update still held for its global norm (collective: call on every rank before
         reading the weights or their state — a checkpoint, an evaluation, the export)."""
         self.updates.complete_all()
+        if self.versioned:
+            self.schedule.updates_settled()
+
+    @contextlib.contextmanager
+    def _statistics_carried(self):
+        """Inside, the next update's norm read also reads the previous step's statistics (one transfer):
+        the asynchronous runtime enters it around one norm read a step (async_order.statistics_read).
+        Every rank has posted their all-reduce by then: the checker plays that read where it happens
+        (tests/schedules/test_validate.py)."""
+        self.updates.carry(self._awaiting_review[-1][1] if self._awaiting_review else None)
+        try:
+            yield
+        finally:
+            self.updates.carry(None)
 
     def version_buffer(self, stage: int, version: int) -> int:
         """The buffer that holds weight version `version` of asynchronous stage `stage`."""

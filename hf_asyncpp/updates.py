@@ -18,7 +18,8 @@ through the all-reduce, and what the step reports of it (the norm, the stages wh
 non-finite) stays on the device, written into the step's statistics (metrics.ReducedStepStats) and read
 with them. On a GPU the host can then queue the next forward while the backward still runs, instead of
 waiting for it there. A synchronous step reads its norm in the same transfer as the previous step's
-statistics; an asynchronous stage reads it once per update, when the update is applied.
+statistics; an asynchronous stage reads it once per update, when the update is applied, and one of
+those reads a step carries the previous step's statistics too (`carry`; where: async_order.statistics_read).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Updates:
         self._steps = self._reported_steps = 0  # steps started; steps whose skipped updates were taken
         self.skipped: dict[int, int] = {}  # per stage, updates skipped since the last take_skipped
         self._skipped_earlier: dict[int, int] = {}  # of them, those of a reported step's gradient
+        self._carried = None  # statistics the next norm read also reads (carry)
         self.start_step()
 
     def start_step(self) -> None:
@@ -154,7 +156,7 @@ class Updates:
                                f"{self._held[index].unit} is still held: complete it first")
         squared = self._prepare(updater)
         if not self.holds_for_global_norm:
-            apply(squared.sqrt().item())
+            apply(self._read_norm(squared))
             return
         if len(self.modules) > 1:  # config_checks refuses it first, naming the order's deadlock
             raise RuntimeError("clipping by the global norm all-reduces one norm per update on each rank: it needs "
@@ -171,7 +173,7 @@ class Updates:
             return
         del self._held[index]
         held.work.wait()
-        norm = held.squared.sqrt().item()
+        norm = self._read_norm(held.squared)
         held.apply(norm)
         if held.step <= self._reported_steps and not math.isfinite(norm):  # its step has reported
             for stage in held.stages:
@@ -181,6 +183,18 @@ class Updates:
         """Apply every held update (collective: before anything reads the weights or their state)."""
         for index in sorted(self._held):
             self.complete(index)
+
+    def carry(self, statistics) -> None:
+        """The next norm read also reads `statistics` (a step's ReducedStepStats, `read_with`) in the
+        same transfer; None: no longer."""
+        self._carried = statistics
+
+    def _read_norm(self, squared: torch.Tensor) -> float:
+        """The host read of an update's norm (from its squared norm, a float64 device scalar), with the
+        statistics carried, if any."""
+        norm = squared.sqrt()
+        carried, self._carried = self._carried, None
+        return carried.read_with(norm)[0] if carried is not None else norm.item()
 
     # --- the update --------------------------------------------------------------------------------
 

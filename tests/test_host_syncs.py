@@ -3,9 +3,10 @@
 On 2 gloo ranks (pp 2), every host read of a tensor made inside `train_step` is recorded with its call
 site (tests/host_reads.py), over steps that are neither the first (torch's stage infers shapes) nor
 the drain. The budget: no read inside a microbatch's forward, backward or loss; per step and rank, one
-read where the step is reviewed (the previous step's reduced statistics, carrying a synchronous
-step's own gradient norm in the same transfer), plus, for an asynchronous stage, one per update
-applied: the host decides there whether a non-finite update is skipped.
+read under a synchronous schedule (its gradient norm, with the previous step's reduced statistics in
+the same transfer); under an asynchronous one, one per update applied — the host decides there
+whether a non-finite update is skipped — and nothing more: one of them carries the previous step's
+statistics (async_order.statistics_read). So PipeDream-2BW reads once a step, however it clips.
 """
 
 from __future__ import annotations
@@ -97,14 +98,15 @@ CONFIGS = [
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("schedule,optimizer,scope,ef", CONFIGS)
-def test_a_steady_step_reads_the_device_once_and_once_per_asynchronous_update(schedule, optimizer, scope, ef):
+def test_a_steady_step_reads_the_device_once_or_once_per_asynchronous_update(schedule, optimizer, scope, ef):
     for rank, (per_step, updates, asynchronous) in enumerate(run_ranks(2, _reads_per_step, schedule, optimizer,
                                                                        scope, ef)):
         for k in STEADY:
             reads = per_step[k]
             assert not [r for r in reads if r[2]], f"rank {rank} step {k + 1}: a read per microbatch: {reads}"
-            # The review's read (a synchronous step's norm with it), and an asynchronous stage's per update.
-            per_update = [r for r in reads if asynchronous and r[1].startswith("hf_asyncpp/updates.py:")]
-            others = [r for r in reads if r not in per_update]
-            assert len(others) <= 1, f"rank {rank} step {k + 1}: {len(others)} reads, not one: {reads}"
-            assert len(per_update) <= updates[k], f"rank {rank} step {k + 1}: more reads than updates: {reads}"
+            # The previous step's statistics ride with the step's gradient norm (synchronous), or with
+            # one of its updates' norms (asynchronous): never a read of their own.
+            budget = max(updates[k], 1) if asynchronous else 1
+            assert len(reads) <= budget, f"rank {rank} step {k + 1}: {len(reads)} reads, {updates[k]} updates: {reads}"
+            if schedule == "pipedream-2bw":  # issue 38: a steady 2BW step reads at most once on each rank
+                assert updates[k] == 1 and len(reads) == 1, (rank, k + 1, updates[k], reads)

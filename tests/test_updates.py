@@ -59,6 +59,7 @@ def test_an_update_held_for_the_global_norm_is_posted_without_a_host_read():
 
 @pytest.mark.multirank
 def test_a_stage_clipped_by_its_own_norm_reads_it_when_posting():
-    """The same recorder, where a read is due: the update is applied inside post."""
+    """The same recorder, where a read is due: the update is applied inside post, its norm read once —
+    from the second step on together with the previous step's statistics (one `tolist`)."""
     for posted, _ in run_ranks(2, _reads_while_posting, "stage", 3):
-        assert len(posted) == 3 and all(reads == ["item"] for reads in posted)
+        assert posted == [["item"], ["tolist"], ["tolist"]]

@@ -19,7 +19,8 @@ from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 from .comm_plan import CommPlanner, P2PBatch
 from .validate import ScheduleError
 
-__all__ = ["AsyncOrder", "GlobalClipping", "SegmentPrograms", "check_versions", "held_spans", "replay_after"]
+__all__ = ["AsyncOrder", "GlobalClipping", "SegmentPrograms", "check_versions", "held_spans", "norm_reads",
+           "replay_after", "statistics_read"]
 
 
 class AsyncOrder:
@@ -120,6 +121,39 @@ class GlobalClipping:
             unit = self.unit_posted(action)
             return unit - 1 if unit > 0 else None
         return None
+
+
+def norm_reads(program, clipping: GlobalClipping | None, held: dict[int, int]) -> list[_Action]:
+    """The actions of a rank's step program before which the host reads an update's gradient norm
+    (updates.py): with `clipping`, updates held for the global norm, those that await a held unit
+    (`held`, stage → the unit it holds, is updated as the program runs); without, every update, read
+    at once."""
+    reads = []
+    for entry in program:
+        if not isinstance(entry, _Action):
+            continue
+        if clipping is None:
+            if entry.computation_type == REDUCE_GRAD:
+                reads.append(entry)
+            continue
+        awaited, unit = clipping.unit_awaited(entry), held.get(entry.stage_index)
+        if awaited is not None and unit is not None and unit <= awaited:
+            reads.append(entry)
+            del held[entry.stage_index]
+        if entry.computation_type == REDUCE_GRAD:
+            held[entry.stage_index] = clipping.unit_posted(entry)
+    return reads
+
+
+def statistics_read(reads: list[_Action], held_for_global_norm: bool) -> _Action | None:
+    """The norm read (of `norm_reads`) that also reads the previous step's statistics, in the same
+    transfer: the step's first one for updates held for the global norm (it already waits for every
+    stage's norm), its last for updates applied at once (read right after the stage's own backward:
+    the last leaves the other ranks the most time to have ended the previous step). None: no norm is
+    read in the step, and the statistics are read at its end."""
+    if not reads:
+        return None
+    return reads[0] if held_for_global_norm else reads[-1]
 
 
 def check_versions(order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps: int) -> None:

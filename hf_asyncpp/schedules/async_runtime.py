@@ -28,6 +28,7 @@ microbatches forwarded in step k are backwarded in step k + 1:
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 
@@ -35,7 +36,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 
-from .async_order import GlobalClipping, SegmentPrograms, replay_after
+from .async_order import GlobalClipping, SegmentPrograms, norm_reads, replay_after, statistics_read
 from .comm_plan import is_compute
 from .registry import ScheduleSpec
 from .runtime import ProgramRuntime
@@ -51,12 +52,16 @@ SENDS_KEPT_FOR_STEPS = 2
 class AsyncPipelineSchedule(ProgramRuntime):
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, spec: ScheduleSpec,
                  n_steps: int, update_stage: Callable[[int, int, int, float], None],
-                 await_update: Callable[[int, int], None], links: dict | None = None):
+                 await_update: Callable[[int, int], None], links: dict | None = None,
+                 updates_held: bool = False, statistics_carried: Callable[[], contextlib.AbstractContextManager] | None = None):
         """`update_stage(stage_index, unit, version, grad_scale)` is called when a stage's update is
         due: after the backward of a minibatch's last microbatch (grad_scale 1/m), or after every
         backward for per-microbatch orders (grad_scale 1); `unit` is the update unit, `version` the
         one the gradient was taken at. `await_update(stage_index, unit)`: the stage's updates up to
-        `unit` must have been applied now. `spec`: an asynchronous schedule (its order and placement)."""
+        `unit` must have been applied now. `spec`: an asynchronous schedule (its order and placement).
+        `updates_held`: updates wait for the global norm (updates.py). `statistics_carried()`: a
+        context in which the host's next norm read also reads the previous step's statistics; the
+        runtime enters it around the one read of each step that `statistics_read` names."""
         order, self.pp_size = spec.order, stages[0].group_size
         self.n_slots = order.n_slots(self.pp_size, n_microbatches)
         super().__init__(stages, self.n_slots, loss_fn, scale_grads=False, links=links)
@@ -70,6 +75,9 @@ class AsyncPipelineSchedule(ProgramRuntime):
         self.clipping = GlobalClipping(order, self.pp_size, n_microbatches)
         self._slot_forwards: dict[tuple[int, int], deque[int]] = {}  # (stage, slot) → this step's forwards, in order
         self._forwarding: int | None = None  # the global microbatch of the forward running now
+        self.updates_held, self.statistics_carried = updates_held, statistics_carried
+        self._held: dict[int, int] = {}  # stage → the unit whose update it holds (updates_held)
+        self._statistics_read_at: _Action | None = None
         self._losses: dict[int, torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}  # minibatch index → its rows, while it may be forwarded
         self.step_index = 0
@@ -97,7 +105,9 @@ class AsyncPipelineSchedule(ProgramRuntime):
 
         def forward_on_version(chunk_id, args, *rest, **kwargs):
             j = self._forwarding = self._slot_forwards[(stage.stage_index, chunk_id)].popleft()
-            self._await_for(_Action(stage.stage_index, FORWARD, j))
+            action = _Action(stage.stage_index, FORWARD, j)
+            with self._reading(action):
+                self._await_for(action)
             version = self._version_of(stage.stage_index, j)
             versioned.active = self.order.buffer(stage.stage_index, self.pp_size, version, self.m)
             if stage.is_first:
@@ -110,8 +120,19 @@ class AsyncPipelineSchedule(ProgramRuntime):
         """REDUCE_GRAD of stage s after the backward of global microbatch j: the stage's update."""
         s, j = action.stage_index, action.microbatch_index
         grad_scale = 1.0 if self.order.per_microbatch_updates else 1.0 / self.m
-        self._await_for(action)
-        self.update_stage(s, self.clipping.unit_posted(action), self._version_of(s, j), grad_scale)
+        with self._reading(action):
+            self._await_for(action)
+            self.update_stage(s, self.clipping.unit_posted(action), self._version_of(s, j), grad_scale)
+
+    def _reading(self, action: _Action):
+        """Around the step's norm read that carries the previous step's statistics: the engine's context."""
+        if action == self._statistics_read_at and self.statistics_carried is not None:
+            return self.statistics_carried()
+        return contextlib.nullcontext()
+
+    def updates_settled(self) -> None:
+        """The engine applied every held update between steps (an evaluation, a checkpoint)."""
+        self._held.clear()
 
     def _await_for(self, action: _Action) -> None:
         unit = self.clipping.unit_awaited(action)
@@ -149,6 +170,9 @@ class AsyncPipelineSchedule(ProgramRuntime):
                 if a.stage_index in ends:
                     self._microbatch(j)  # its rows were given
                     ends[a.stage_index] = j if ends[a.stage_index] is None else ends[a.stage_index]
+        # The one host read of a steady step: an update's norm, with the previous step's statistics.
+        reads = norm_reads(program, self.clipping if self.updates_held else None, self._held)
+        self._statistics_read_at = statistics_read(reads, self.updates_held)
         # Forwards take their rows and labels by microbatch id (forward_on_version, _maybe_compute_loss);
         # torch reads slot 0's only on its first call, to infer shapes (any microbatch serves).
         arg_mbs: list = [()] * self.n_slots

@@ -171,13 +171,17 @@ class CommPlanner:
                 return False
         return True
 
-    def _emit(self, rank: int, entry) -> None:
-        """Append to the rank's program, in the segment of the action it runs next: a receive
-        appended while a rank has finished step k is posted at the start of step k + 1, whenever
-        step k's program was handed out."""
+    def _emit(self, rank: int, entry, by_segment: int | None = None) -> None:
+        """Append to the rank's program, in the segment of the action it runs next; a receive
+        (`by_segment`: the sender's segment) no later than its send's segment: a receive appended
+        while the receiving rank has finished step k, for a message of step k, ends step k's
+        program, so that both ends post every message on the same side of the step boundary."""
         if rank in self._keep:
             head = self._next[rank]
-            self._program[rank].append((self._segment[rank] if head is None else head[0], entry))
+            segment = self._segment[rank] if head is None else head[0]
+            if by_segment is not None:
+                segment = min(segment, by_segment)
+            self._program[rank].append((segment, entry))
 
     def _hold(self, rank: int, stage: int, kind: str, j: int, what: str) -> None:
         held = self._held.setdefault((stage, kind), set())
@@ -235,7 +239,7 @@ class CommPlanner:
         self._hold(receiver, s, "chunk", j, "the receive")
         self._hold(receiver, s, "activation" if receive.computation_type == RECV_F else "gradient", j, "the receive")
         self._emit(rank, send)
-        self._emit(receiver, receive)
+        self._emit(receiver, receive, by_segment=self._segment[rank])
 
     def _round(self, horizon: int) -> bool:
         """Each rank places its next action if it can and it belongs to a segment up to `horizon`;

@@ -460,21 +460,93 @@ def test_a_synchronous_schedules_steps_with_their_collectives_run(name):
         check_program(program, to_rank, spec.n_stages(pp_size))
 
 
-@pytest.mark.parametrize("name", ["pipedream-2bw", "pipedream"])
-@pytest.mark.parametrize("pp_size, m", [(2, 4), (4, 4), (4, 8)])
-def test_an_asynchronous_schedules_statistics_all_reduce_crosses_none_of_its_messages(name, pp_size, m):
+ASYNC_GRID = [(name, pp_size, m) for name, pp_size, m in GRID if not SCHEDULES[name].synchronous and pp_size in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("name", sorted({name for name, _, _ in ASYNC_GRID}))
+@pytest.mark.parametrize("sync_steps", [0, 2])
+def test_an_asynchronous_schedules_statistics_all_reduce_crosses_none_of_its_messages(name, sync_steps):
     """The statistics all-reduce at the end of each segment, the previous step's read at the next:
-    every message between two ranks is posted on the same side of it at both ends."""
+    every message between two ranks is posted on the same side of it at both ends (pp 2, 4, 8, every
+    m the schedule accepts, with and without a sync start). Before the planner posted a receive in
+    its send's segment (comm_plan.CommPlanner._emit), WPipe crossed at every size (rank 1 posted the
+    all-reduce with 3SEND_B0 to rank 0 pending, which rank 0 received only in its next segment) and
+    PipeDream-2BW at pp 8 with 3 <= m <= 6."""
     from hf_asyncpp.schedules.async_order import SegmentPrograms
 
-    spec, steps, ranks = SCHEDULES[name], 3, frozenset(range(pp_size))
-    to_rank = spec.stage_ranks(pp_size).__getitem__
+    spec, steps = get_schedule_spec(name).starting_synchronously(sync_steps), 4
+    for _, pp_size, m in [g for g in ASYNC_GRID if g[0] == name]:
+        ranks, to_rank = frozenset(range(pp_size)), spec.stage_ranks(pp_size).__getitem__
+        segments = SegmentPrograms(spec.order, pp_size, m, steps, to_rank, spec.n_stages(pp_size), 0, None)
+        program = {r: [] for r in range(pp_size)}
+        for k in range(steps):
+            for r in range(pp_size):
+                program[r] += [*segments.program(r, k), Collective("world", ranks)] + ([HostWait("world")] if k else [])
+        check_program(program, to_rank, spec.n_stages(pp_size))
+
+
+def _programs_with_statistics(spec, pp_size, m, steps, clip_globally, carried=True):
+    """Each rank's programs as train_step runs them: its segment, the host's read of the previous
+    step's statistics with one update's norm where `statistics_read` puts it (or, in a step without a
+    norm read, at its end), then the step's statistics all-reduce on the default group; `carried`
+    False: every step reads them at its end instead (as before issue 38)."""
+    from hf_asyncpp.schedules.async_order import GlobalClipping, SegmentPrograms, norm_reads, statistics_read
+
+    ranks, to_rank = frozenset(range(pp_size)), spec.stage_ranks(pp_size).__getitem__
     segments = SegmentPrograms(spec.order, pp_size, m, steps, to_rank, spec.n_stages(pp_size), 0, None)
-    program = {r: [] for r in range(pp_size)}
-    for k in range(steps):
-        for r in range(pp_size):
-            program[r] += [*segments.program(r, k), Collective("world", ranks)] + ([HostWait("world")] if k else [])
-    check_program(program, to_rank, spec.n_stages(pp_size))
+    clipping = GlobalClipping(spec.order, pp_size, m)
+    program, carried_at = {r: [] for r in range(pp_size)}, {r: [] for r in range(pp_size)}
+    for r in range(pp_size):
+        held = {}
+        for k in range(steps):
+            segment = segments.program(r, k)
+            at = statistics_read(norm_reads(segment, clipping if clip_globally else None, held), clip_globally)
+            at = at if carried and k else None
+            carried_at[r].append(at)
+            program[r] += [e for entry in segment for e in ([HostWait("world")] if entry == at else []) + [entry]]
+            program[r] += ([HostWait("world")] if k and at is None else []) + [Collective("world", ranks)]
+            if k == steps - 1:
+                held.clear()  # the drain settles its held updates
+        program[r].append(None)
+    return program, to_rank, clipping if clip_globally else None, carried_at
+
+
+@pytest.mark.parametrize("name", sorted({name for name, _, _ in ASYNC_GRID}))
+@pytest.mark.parametrize("sync_steps", [0, 2])
+@pytest.mark.parametrize("clip_globally", [True, False])
+def test_the_previous_steps_statistics_read_with_an_updates_norm_cannot_deadlock(name, sync_steps, clip_globally):
+    """The host read of a steady step (async_order.statistics_read): an update's norm and, in the same
+    transfer, the previous step's statistics, which waits for every rank's all-reduce of them. Played
+    where it happens, with the all-reduce between segments and the updates held for the global norm (or
+    applied at once), at pp 2, 4, 8 and every m the schedule accepts: no deadlock, no crossing, and in
+    every steady step (not the first, the switch from a sync start, nor the drain) each rank reads them
+    with a norm, not on their own."""
+    spec, steps = get_schedule_spec(name).starting_synchronously(sync_steps), 5
+    for _, pp_size, m in [g for g in ASYNC_GRID if g[0] == name]:
+        if clip_globally:
+            try:
+                spec.check_microbatches(pp_size, m, clip_globally=True)
+            except ValueError:  # refused by the config check (WPipe would wait for its own rank's norm)
+                continue
+        program, to_rank, clipping, carried_at = _programs_with_statistics(spec, pp_size, m, steps, clip_globally)
+        check_program(program, to_rank, spec.n_stages(pp_size), clipping=clipping)
+        steady = [k for k in range(1, steps - 1) if k != sync_steps]  # the switch fills the pipeline anew
+        assert all(carried_at[r][k] is not None for r in carried_at for k in steady), (pp_size, m, carried_at)
+
+
+@pytest.mark.parametrize("name, pp_size, m, clip_globally", [
+    ("pipedream-2bw", 4, 8, True), ("pipedream-2bw", 4, 8, False), ("pipedream-2bw", 8, 16, True),
+    ("pipedream", 4, 8, True), ("pipedream", 4, 8, False), ("wpipe", 4, 8, False)])
+def test_reading_the_statistics_with_a_norm_makes_no_rank_wait_in_the_timing_model(name, pp_size, m, clip_globally):
+    """The read waits for every rank to have ended the previous step; where it is placed, they have. (The
+    first norm read of a PipeDream step applied at once would cost 3 of 24 time units at pp 4, m 8;
+    the last costs nothing.)"""
+    spec = get_schedule_spec(name)
+    finish = {}
+    for carried in (True, False):
+        program, to_rank, clipping, _ = _programs_with_statistics(spec, pp_size, m, 5, clip_globally, carried)
+        finish[carried] = check_program(program, to_rank, spec.n_stages(pp_size), clipping=clipping, cost=_cost).finish
+    assert finish[True] == finish[False]
 
 
 # --- clipping by the global norm (async_order.GlobalClipping) -----------------------------------
@@ -510,7 +582,7 @@ def test_one_stage_per_rank_orders_clip_globally_without_deadlock(schedule, pp_s
 def test_wpipe_cannot_clip_globally_its_second_group_would_wait_for_its_own_rank():
     """WPipe's second group (delay 0) needs unit k's update before its first forward of k + 1, which
     on rank 0 comes before rank 0's own first-group backward of k: the norm it waits for is its own."""
-    with pytest.raises(ScheduleError, match="rank 0, step 20: deadlock: 2F2 waits forever for the global gradient "
+    with pytest.raises(ScheduleError, match="rank 0, step 19: deadlock: 2F2 waits forever for the global gradient "
                                             "norm of update unit 0, which stage 0 has not posted"):
         get_schedule_spec("wpipe").actions(2, 2, clip_globally=True)
     get_schedule_spec("wpipe").actions(2, 2)  # per-stage clipping: nothing waits
