@@ -339,7 +339,7 @@ class PipelineEngine:
             return self._eval_emulated(rows, return_logits)
         if not self.versioned:
             return self._eval_through(self.schedule, self.loss_fn, rows, return_logits)
-        if 0 < self.step_count < self.last_step and not self._units_end_at_step_boundaries():
+        if 0 < self.step_count < self.last_step and not self.evaluates_mid_run:
             raise RuntimeError(f"{self.spec.name} straddles its updates across step boundaries: some stages have "
                                "applied the last minibatch and others not, so only the final weights can be evaluated")
         self.settle_updates()  # the masters: every update posted so far
@@ -353,6 +353,12 @@ class PipelineEngine:
             for versioned in self.versioned:
                 masters.enter_context(versioned.evaluating_master())
             return self._eval_through(self._eval_schedule, self._eval_loss_fn, rows, return_logits)
+
+    @property
+    def evaluates_mid_run(self) -> bool:
+        """Whether weights between two steps can be evaluated: every stage has applied the same
+        minibatches there (not so for orders whose updates straddle step boundaries: WPipe)."""
+        return not self.versioned or self._units_end_at_step_boundaries()
 
     def _units_end_at_step_boundaries(self) -> bool:
         try:

@@ -5,7 +5,8 @@ world size (every collective and message returns at once, with no peer), fake te
 and every allocation real, no memory), and the engine the run would build — this rank's stages, the
 compute policy, FSDP2 over dp, weight versions, optimizer, Error Feedback, activation checkpointing —
 through start-up, three training steps of its schedule (the first one warms up: optimizer state
-and receive buffers appear; the next two are steady) and an evaluation. `MemoryTracker` follows every tensor it creates
+and receive buffers appear; the next two are steady) and an evaluation (where the order allows one
+between steps). `MemoryTracker` follows every tensor it creates
 and reports the peak of live bytes and what was live then; `HostReads` counts reads of tensor values
 by the host through the steady steps. dp replicas of a stage hold the same amounts: one is played.
 
@@ -99,8 +100,9 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
                 engine.train_step(tokens, tokens if engine.forwards_ahead else None)
                 per_step.append(reads.take())
             # An evaluation between steps, as a run makes every eval_steps (its own stages and buffers).
-            engine.eval_step(tokens)
-            eval_reads = reads.take()
+            if engine.evaluates_mid_run:
+                engine.eval_step(tokens)
+            eval_reads = reads.take() if engine.evaluates_mid_run else None
             _label_state(tracker, engine)
             for handle in handles:
                 handle.remove()
@@ -114,7 +116,7 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
             "host_reads_per_step": max(sum(s.values()) for s in steady),
             "host_reads_per_microbatch": max(sum(s.values()) for s in steady) / m,
             "host_read_sites": {site: max(s[site] for s in steady) for site in sites},
-            "host_reads_per_evaluation": sum(eval_reads.values()),
+            "host_reads_per_evaluation": None if eval_reads is None else sum(eval_reads.values()),
         }
     finally:
         shutdown_parallel(peers_alive=False)

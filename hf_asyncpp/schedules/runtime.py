@@ -69,6 +69,13 @@ class ProgramRuntime(_PipelineScheduleRuntime):
                 raise RuntimeError(f"stage {stage.stage_index} was built without its inputs and outputs")
             stage._inference_mode = InferenceMode.STATIC
 
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
+        super()._maybe_compute_loss(stage, output, target_mbs, mb_index, loss_kwargs)
+        if stage.is_last and not self._has_backward:
+            # torch keeps each forward's outputs for its backward until the next step; a forward-only
+            # program has none, and the last stage's outputs are logits: m of them would stay alive.
+            stage.fwd_cache.pop(mb_index, None)
+
     def _lowered(self, program, slot: Callable[[int], int] = lambda j: j) -> tuple[list[_Action], list[tuple]]:
         """(torch's action list for `program`, its batches): a batch's operations stand in the list
         where it is posted; microbatch ids become torch's chunk ids (`slot`)."""
@@ -107,6 +114,10 @@ class ProgramRuntime(_PipelineScheduleRuntime):
         if self._links:
             p2p = [dist.P2POp(p.op, p.tensor, p.peer, self._links[p.peer]) for p in p2p]
         posted = _PostedBatch(dist.batch_isend_irecv(p2p) if p2p else [])
+        if not self._has_backward:  # forward only: a sent output is needed by nothing else here
+            for op in ops:
+                if op.computation_type == SEND_F:
+                    self._stage_by_index[op.stage_index].fwd_cache.pop(op.microbatch_index, None)
         # NCCL returns one work for a whole group: a compute waits for its receive's whole batch.
         for op in ops:
             if op.computation_type == RECV_F:

@@ -15,19 +15,22 @@ from hf_asyncpp.config import TrainConfig
 from hf_asyncpp.models.presets import build_config
 from hf_asyncpp.planning.plan import plan_layout
 
-# (schedule, optimizer, EF, clipping, reads per steady step at most)
+# (schedule, optimizer, EF, clipping, reads per steady step at most). One read per step: the step's
+# statistics with an update's norm. WPipe updates two stages per rank per step, PipeDream every
+# microbatch (m = 4): each update reads its norm (to clip it, and to skip it when it is not finite).
 CASES = [
     ("1f1b", "adamw", True, "global", 1),
     ("gpipe", "muon", False, "global", 1),
     ("interleaved-1f1b", "soap", True, "global", 1),
     ("zbv", "lion", False, "global", 1),
-    ("pipedream-2bw", "adamw", True, "global", 2),
-    ("pipedream-2bw", "muon", True, "stage", 2),
-    ("pipedream-2bw", "soap", False, "global", 2),
-    ("pipedream-2bw", "sgd", True, "global", 2),
-    ("pipedream", "lion", True, "stage", 5),
-    ("wpipe", "adamw", False, "global", 3),
+    ("pipedream-2bw", "adamw", True, "global", 1),
+    ("pipedream-2bw", "muon", True, "stage", 1),
+    ("pipedream-2bw", "soap", False, "global", 1),
+    ("pipedream-2bw", "sgd", True, "global", 1),
+    ("pipedream", "lion", True, "stage", 4),
+    ("wpipe", "adamw", False, "stage", 2),
 ]
+PER_MICROBATCH_UPDATES = {"pipedream"}
 
 
 @pytest.mark.multirank
@@ -40,6 +43,8 @@ def test_training_and_evaluation_run_on_fake_tensors_within_the_host_read_budget
                          n_microbatches=4, max_steps=10, mixed_precision="no")
     for rank in plan_layout(config, build_config("tiny-moe"), world_size=2):
         assert rank["host_reads_per_step"] <= budget, rank["host_read_sites"]
-        assert rank["host_reads_per_microbatch"] < 1
+        if schedule not in PER_MICROBATCH_UPDATES:
+            assert rank["host_reads_per_microbatch"] < 1
         assert rank["optimizer_state_bytes"] > 0 and rank["gradient_bytes"] + rank["parameter_bytes"] > 0
-        assert rank["host_reads_per_evaluation"] <= 1  # the evaluation's losses, read once
+        if schedule != "wpipe":  # its updates straddle step boundaries: it evaluates only when done
+            assert rank["host_reads_per_evaluation"] <= 2  # the held updates settled, the losses read

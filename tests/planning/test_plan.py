@@ -2,7 +2,7 @@
 tensor bytes per rank is what a real run of the same config measures.
 
 The reference is a real run: two gloo ranks on this machine with real tensors, each measuring the
-peak of its live tensors through start-up and the same three steps (MemoryTracker on real storages).
+peak of its live tensors through start-up, the same three steps and an evaluation (MemoryTracker on real storages).
 The plan builds nothing real: each rank is played alone, in its own process. Tolerance 10%: the
 issue's bar for trusting the plan at scale; the two differ where a real run holds what a fake one
 cannot (values received from a peer are real buffers here, fake there: same bytes), so in practice
@@ -45,6 +45,7 @@ def _measured_peak(rank, world_size, schedule):
             rows = torch.randint(0, 8192, (32, 128), generator=torch.Generator().manual_seed(0))
             for _ in range(STEPS):
                 engine.train_step(rows, rows if engine.forwards_ahead else None)
+            engine.eval_step(rows)  # as the plan does after its steps
         if engine.forwards_ahead:
             engine.train_step(rows, None)  # the drain
         engine.finish()
