@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .host_reads import HostReads
 from .memory_tracker import MemoryTracker
 
-__all__ = ["ALLOWANCE_GIB", "KINDS", "plan_layout", "plan_rank"]
+__all__ = ["ALLOWANCE_GIB", "KINDS", "overshoot", "plan_layout", "plan_rank", "planned_config", "table"]
 
 ALLOWANCE_GIB = 6.0  # CUDA context (~0.5-1 GiB), NCCL communicators and buffers, allocator fragmentation
 GiB = 2**30
@@ -51,6 +51,8 @@ def _label_state(tracker: MemoryTracker, engine) -> None:
     for versioned in engine.versioned:
         tracker.label(_tensors(t for c in versioned.live_compute_copies() for t in c.values()), "compute_copy")
         tracker.label(_tensors(t for b in versioned.buffers_ for t in b.values()), "weight_version")
+        tracker.label(_tensors(t for b in range(len(versioned.buffers_)) for t in versioned.gradient_sums(b).values()),
+                      "gradient")  # fp32 sums of a low-precision compute copy's gradients
     tracker.label(_tensors(p.grad for p in engine.params), "gradient")
     tracker.label(engine.params, "parameter")  # last: the master is also one of the version buffers
 
