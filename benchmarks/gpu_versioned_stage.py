@@ -227,12 +227,12 @@ def _play(args, config, model_config, plan, device, clock: _Clock, tracker=None)
                     del outputs
                     kind = "backward"
                 marks.append((kind, start, clock.mark()))
-                syncs[kind] += (len(caught) - seen) if counting else 0
+                syncs[kind] += _synchronizing(caught[seen:]) if counting else 0
                 if order.updates_after(action, m):
                     seen, start = len(caught), clock.mark()
                     update(order.version(stage_index, pp, j, m))
                     marks.append(("update", start, clock.mark()))
-                    syncs["update"] += (len(caught) - seen) if counting else 0
+                    syncs["update"] += _synchronizing(caught[seen:]) if counting else 0
             if counting:
                 torch.cuda.set_sync_debug_mode(0)
         if device.type == "cuda":
@@ -240,12 +240,20 @@ def _play(args, config, model_config, plan, device, clock: _Clock, tracker=None)
         if step > 0:
             for kind, start, end in marks:
                 timed[kind].append(clock.ms(start, end))
-        if counting:
-            sites = sorted({str(w.message).splitlines()[0][:200] for w in caught if "synchroniz" in str(w.message)})
-            timed.setdefault("sync_messages", []).extend(sites)
+        if counting:  # where the synchronizing calls were made (the Python line that called the op)
+            sites = timed.setdefault("sync_sites", {})
+            for w in caught:
+                if "synchroniz" in str(w.message):
+                    site = f"{Path(w.filename).name}:{w.lineno}"
+                    sites[site] = sites.get(site, 0) + 1
     label()
     return dict(module=module, timed=timed, syncs=syncs, n_buffers=n_buffers, n_slots=n_slots,
                 held_most=held_most, updates_applied=versioned.master_version, model_config=model_config)
+
+
+def _synchronizing(caught) -> int:
+    """How many of the warnings caught are set_sync_debug_mode's."""
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def predict(args) -> dict:
@@ -321,7 +329,7 @@ def measure(args) -> dict:
                                    if device.type == "cuda" and steps_timed else None),
         host_syncs_per_update=(played["syncs"]["update"] / len(timed["update"])
                                if device.type == "cuda" and timed["update"] else None),
-        host_sync_messages=timed.get("sync_messages", [])[:20],
+        host_sync_sites=timed.get("sync_sites", {}),
         updates_applied=played["updates_applied"], timed_microbatches=steps_timed * m,
         seconds=time.perf_counter() - began,
     )
