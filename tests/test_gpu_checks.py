@@ -98,7 +98,9 @@ def test_the_versioned_stage_benchmark_runs_on_cpu_beside_its_prediction(tmp_pat
     parts = plan["predicted_parts_gib"]
     # The fp32 master and the other version; a bf16 compute copy per version (both live at the peak).
     assert parts["parameter"] == parts["weight_version"] == parts["compute_copy"]
-    assert plan["host_read_sites"] == {"updates.py:197 (_read_norm)": 2}  # one norm read per update
+    # One norm read per update, in updates.py, and nothing else.
+    assert sum(plan["host_read_sites"].values()) == 2
+    assert all(site.startswith("hf_asyncpp/updates.py:") for site in plan["host_read_sites"])
     assert measured["predicted_peak_gib"] == plan["predicted_peak_gib"] > 0
     assert measured["timed_microbatches"] == 4 and measured["ms_per_microbatch"] > 0
     assert measured["forward_ms"] > 0 and measured["backward_ms"] > 0 and measured["update_ms"] > 0
