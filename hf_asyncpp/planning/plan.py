@@ -121,8 +121,7 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
             "host_reads_per_evaluation": None if eval_reads is None else sum(eval_reads.values()),
         }
     finally:
-        shutdown_parallel(peers_alive=False)
-        dist.destroy_process_group() if dist.is_initialized() else None
+        shutdown_parallel(peers_alive=False)  # no peers to wait for: destroys the fake groups
 
 
 def planned_config(config):
@@ -134,11 +133,6 @@ def planned_config(config):
     return replace(config, mixed_precision="bf16" if dtype == torch.bfloat16 else "no", init_from=None)
 
 
-def _plan_rank_in_fresh_process(config, model_config, world_size: int, rank: int) -> dict:
-    # torch keeps process groups and meshes in module state: one rank per process.
-    return plan_rank(config, model_config, world_size, rank)
-
-
 def plan_layout(config, model_config, world_size: int, processes: int = 2) -> list[dict]:
     """Every rank's plan (dp replicas of a stage copy the one played), in rank order; pipeline ranks
     are played in `processes` fresh processes at a time."""
@@ -147,8 +141,9 @@ def plan_layout(config, model_config, world_size: int, processes: int = 2) -> li
 
     config = planned_config(config)
     dp = world_size // config.pp_size
+    # torch keeps process groups and meshes in module state: one rank per process.
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
-        futures = {pp: pool.submit(_plan_rank_in_fresh_process, config, model_config, world_size, pp * dp)
+        futures = {pp: pool.submit(plan_rank, config, model_config, world_size, pp * dp)
                    for pp in range(config.pp_size)}
         played = {pp: future.result() for pp, future in futures.items()}
     return [dict(played[r // dp], rank=r, dp_rank=r % dp) for r in range(world_size)]
