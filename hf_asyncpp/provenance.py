@@ -1,8 +1,9 @@
-"""What produced a result: the versions of the software that ran and, from a git checkout, its commit.
+"""What produced a result: the numerics it ran with, the versions of the software that ran and, from a
+git checkout, its commit.
 
 A study runs in parts, possibly at several commits and on several machines (docs/studies.md); each
-finished arm's record carries these, so a number can be traced to the code that produced it. The model
-card of an export states the same versions.
+finished arm's record carries these, so a number can be traced to the code that produced it, and a study
+reruns the arms whose numerics are not this code's. The model card of an export states the same versions.
 """
 
 from __future__ import annotations
@@ -12,9 +13,16 @@ import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["machine", "software_versions", "source_commit"]
+__all__ = ["NUMERICS", "machine", "software_versions", "source_commit"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+
+# The numerics a training run computes with, named by the date they last changed. Any change that moves a
+# run's values, even by rounding (an operation's order, a kernel, a default, a schedule's shape), gives it a
+# new name in the same commit: a study then reruns the arms finished under the old one instead of mixing
+# them with new ones, and its report leaves them out. tests/test_numerics.py pins the losses of short runs
+# under this name, so a change that moves them fails there until the name moves too.
+NUMERICS = "2026-12-05"
 
 
 def software_versions() -> dict[str, str]:

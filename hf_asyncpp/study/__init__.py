@@ -18,95 +18,38 @@ from ..log import get_logger
 from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study, mode_name
 from .claims import claims_markdown, headline_markdown, verdicts_markdown
-from .results import collect_arms, final_losses, results_rows, write_results
+from .results import final_losses, results_rows, write_results
 from .processes import StudyStopped
 from .runner import check_arms, finished_record, run_arms
+from .tuning import per_mode_picks, sync_picks, tune, write_tuning
 
-__all__ = ["Arm", "Study", "StudyError", "StudyStopped", "load_study", "read_chosen", "report", "run_study"]
+__all__ = ["Arm", "Study", "StudyError", "StudyStopped", "load_study", "protocol_arms", "read_chosen", "read_per_mode",
+           "report", "run_study"]
+
+PROTOCOL_HEADINGS = {
+    "sync": "**Protocol `sync`**: every arm of an optimizer and momentum at the learning rate tuned on its sync arms.",
+    "per_mode": "**Protocol `per_mode`**: each delayed mode (and EF λ) at the learning rate tuned on its own arms, "
+                "among the sync pick × the study's factors.",
+}
 
 logger = get_logger(__name__)
 
 
-TUNING = "tuning.json"
-
-
-def _tuning_record(trials: dict, chosen: dict, at_edge: set) -> dict:
-    """tuning.json: every trial and every pick, one entry per (optimizer, momentum[, learning rate]);
-    a pick that is the smallest or largest of three or more candidates is marked `at_edge`."""
-    return {"format": 2,
-            "trials": [dict(optimizer=o, momentum=m, learning_rate=lr, eval_loss=loss)
-                       for (o, m), t in trials.items() for lr, loss in t.items()],
-            "chosen": [dict(optimizer=o, momentum=m, learning_rate=lr, at_edge=(o, m) in at_edge)
-                       for (o, m), lr in chosen.items()]}
-
-
 def read_chosen(study: Study) -> dict[tuple[str, float], float]:
-    """The learning rate of each (optimizer, momentum) that tuning.json records. Without tuning.json
-    (tuning not finished), the pick of the tuning arms finished so far, by the same rule, and each
-    optimizer's first candidate where none has finished. A tuning.json of the format before
-    per-momentum tuning ({"chosen": {optimizer: lr}}, tuned at the first momentum and used at all of
-    them, as those arms ran) gives that learning rate to every momentum value of the optimizer."""
-    path = study.output_dir / TUNING
-    chosen = study.first_learning_rates()
-    if not path.is_file():
-        return {**chosen, **_pick(_finished_trials(study, study.tuning_arms()))[0]}
-    record = json.loads(path.read_text())
-    if isinstance(record.get("chosen"), dict):  # the format before per-momentum tuning
-        for optimizer, lr in record["chosen"].items():
-            chosen.update({(optimizer, m): float(lr) for m in study.momentums})
-        return chosen
-    if record.get("format") != 2 or not isinstance(record.get("chosen"), list):
-        raise StudyError(f"{path}: not a tuning record this version reads; delete it to tune again "
-                         "(finished tuning arms are not rerun)")
-    for entry in record["chosen"]:
-        chosen[(entry["optimizer"], float(entry["momentum"]))] = float(entry["learning_rate"])
-    return chosen
+    """Each (optimizer, momentum)'s sync pick among its finished tuning arms (tuning.py), its first
+    candidate where none has finished."""
+    return {**study.first_learning_rates(), **sync_picks(study).chosen()}
 
 
-def _finished_trials(study: Study, tuning: list[Arm]) -> dict[tuple[str, float], dict[float, float]]:
-    """The final validation loss of each tuning arm finished with its current settings, per
-    (optimizer, momentum) and learning rate; a pair none of whose arms finished has no entry."""
-    trials: dict[tuple[str, float], dict[float, float]] = {}
-    for arm in tuning:
-        record = finished_record(study, arm)
-        if record is not None:
-            trials.setdefault((arm.optimizer, arm.momentum), {})[arm.learning_rate] = record["final_eval"]["eval_loss"]
-    return trials
+def read_per_mode(study: Study, sync_chosen: dict) -> dict[tuple, float]:
+    """Each delayed group's own pick among its finished candidates (none before the per_mode protocol's
+    tuning has finished one); {} when the study does not run that protocol."""
+    return per_mode_picks(study, sync_chosen).chosen() if "per_mode" in study.protocols else {}
 
 
-def _pick(trials: dict) -> tuple[dict[tuple[str, float], float], set[tuple[str, float]]]:
-    """Per (optimizer, momentum), the learning rate with the lowest final validation loss; and the
-    pairs whose pick is the smallest or largest of three or more candidates (the optimum may lie
-    beyond them)."""
-    chosen = {pair: min(losses, key=losses.get) for pair, losses in trials.items()}
-    at_edge = {pair for pair, losses in trials.items()
-               if len(losses) >= 3 and chosen[pair] in (min(losses), max(losses))}
-    return chosen, at_edge
-
-
-def _choose_learning_rates(study: Study, log) -> dict[tuple[str, float], float]:
-    """Run the tuning arms (those finished are skipped) and pick, per (optimizer, momentum), the
-    learning rate with the lowest final validation loss; written to tuning.json."""
-    tuning = study.tuning_arms()
-    chosen = study.first_learning_rates()
-    if not tuning:
-        return chosen
-    log(f"study: tuning learning rates on {len(tuning)} sync arms")
-    run_arms(study, tuning, log)
-    trials = _finished_trials(study, tuning)
-    untried = sorted({(arm.optimizer, arm.momentum) for arm in tuning} - set(trials))
-    if untried:
-        raise StudyError(f"every learning-rate trial of {untried[0][0]} at momentum {untried[0][1]:g} failed "
-                         f"(see {study.output_dir / 'arms'})")
-    picks, at_edge = _pick(trials)
-    chosen.update(picks)
-    for pair in sorted(at_edge):
-        end = "largest" if chosen[pair] == max(trials[pair]) else "smallest"
-        log(f"study: warning: {pair[0]}'s best learning rate at momentum {pair[1]:g}, {chosen[pair]:g}, is the {end} "
-            "of its candidates: the optimum may lie beyond them; add a candidate past it (finished arms are kept)")
-    (study.output_dir / TUNING).write_text(json.dumps(_tuning_record(trials, chosen, at_edge), indent=1))
-    log("study: learning rates: " + ", ".join(f"{o} (momentum {m:g}) {lr:g}" for (o, m), lr in chosen.items()))
-    return chosen
+def protocol_arms(study: Study, protocol: str, sync_chosen: dict, per_mode: dict) -> list[Arm]:
+    """The grid's arms as a protocol reads them: delayed arms at the sync pick, or at their own."""
+    return study.arms(sync_chosen, per_mode if protocol == "per_mode" else None)
 
 
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
@@ -114,31 +57,52 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     arms (the ones in the grid; tuning-only arms are left out)."""
     if not (study.output_dir / "arms").is_dir():
         raise StudyError(f"{study.output_dir} holds no arms, so there is nothing to report: run the study first")
-    records = collect_arms(study.output_dir / "arms")
-    in_grid = {a.name for a in study.arms(read_chosen(study))}
-    records = [r for r in records if Arm.from_record(r).name in in_grid]
-    rows = results_rows(records)
-    claims, headline, verdicts = (study.output_dir / name for name in ("claims.md", "headline.md", "verdicts.md"))
+    chosen = read_chosen(study)
+    per_mode = read_per_mode(study, chosen)
     main = study.main_delayed_mode()
     main_mode = mode_name(*main) if main else None
-    losses = final_losses(records)
-    claims.write_text(claims_markdown(study, losses))
-    verdicts.write_text(verdicts_markdown(study, losses))
-    headline.write_text(headline_markdown(study, rows))
-    return [*write_results(study.output_dir, rows, records, failed or []), claims, headline, verdicts,
-            *write_figures(study.output_dir, rows, records, main_mode)]
+    rows, texts, figures, stale, reported = [], {"claims.md": [], "headline.md": [], "verdicts.md": []}, [], set(), {}
+    for protocol in study.protocols:
+        finished = {arm.name: finished_record(study, arm) for arm in protocol_arms(study, protocol, chosen, per_mode)}
+        records = [r for r in finished.values() if r is not None]
+        reported.update({name: r for name, r in finished.items() if r is not None})
+        stale |= {name for name, r in finished.items() if r is None and (study.output_dir / "arms" / name / "arm.json").is_file()}
+        protocol_rows = results_rows(records, protocol)
+        rows += protocol_rows
+        losses = final_losses(records)
+        heading = PROTOCOL_HEADINGS[protocol] + "\n\n" if len(study.protocols) > 1 else ""
+        texts["claims.md"].append(heading + claims_markdown(study, losses))
+        texts["verdicts.md"].append(heading + verdicts_markdown(study, losses))
+        texts["headline.md"].append(heading + headline_markdown(study, protocol_rows))
+        suffix = "" if protocol == study.protocols[0] else f"_{protocol}"
+        figures += write_figures(study.output_dir, protocol_rows, records, main_mode, suffix)
+    paths = write_results(study.output_dir, rows, list(reported.values()), failed or [], sorted(stale))
+    for name, parts in texts.items():
+        (study.output_dir / name).write_text("\n".join(parts))
+        paths.append(study.output_dir / name)
+    return [*paths, *figures]
 
 
 def run_study(path: str | Path, log=logger.info) -> list[Path]:
     """Run (or continue) a study and write its report; returns the files written. StudyStopped, without
-    a report, when a signal stopped it (a rerun continues it)."""
+    a report, when a signal stopped it (a rerun continues it). Order: the sync tuning; then the per_mode
+    tuning beside the sync protocol's arms (which need only the sync picks); then the per_mode arms."""
     study = load_study(path)
     # Every arm's config is checked before anything runs (with each optimizer's first learning rate).
     check_arms(study, study.tuning_arms() + study.arms(study.first_learning_rates()))
     study.output_dir.mkdir(parents=True, exist_ok=True)
-    chosen = _choose_learning_rates(study, log)
-    arms = study.arms(chosen)
-    log(f"study: {study.name}: {len(arms)} arms, {study.parallel} at a time, launch {study.launch}")
+    log(f"study: {study.name}: learning-rate protocol(s) {', '.join(study.protocols)}, {study.parallel} arms at a time, "
+        f"launch {study.launch}")
+    sync = tune(study, lambda: sync_picks(study), log)
+    chosen = {**study.first_learning_rates(), **sync.chosen()}
+    sync_arms = study.arms(chosen) if "sync" in study.protocols else []
+    per_mode = None
+    if "per_mode" in study.protocols:
+        check_arms(study, per_mode_picks(study, chosen).unfinished_arms(study))
+        per_mode = tune(study, lambda: per_mode_picks(study, chosen), log, alongside=sync_arms)
+    write_tuning(study, sync, per_mode)
+    arms = list({arm.name: arm for protocol in study.protocols
+                 for arm in protocol_arms(study, protocol, chosen, per_mode.chosen() if per_mode else {})}.values())
     outcomes = run_arms(study, arms, log)
     failed = sorted(name for name, outcome in outcomes.items() if outcome == "failed")
     paths = report(study, failed)

@@ -57,7 +57,7 @@ def _colours(modes) -> dict[str, str]:
     return {"sync": "black", **{mode: matplotlib.colors.to_hex(tab20(i % 20)) for i, mode in enumerate(delayed)}}
 
 
-def _loss_curves(plt, records, arms_dir: Path, colours: dict[str, str], out: Path) -> Path:
+def _loss_curves(plt, records, arms_dir: Path, colours: dict[str, str], out: Path, suffix: str) -> Path:
     optimizers = sorted({r["arm"]["optimizer"] for r in records})
     fig, axes = plt.subplots(1, len(optimizers), figsize=(5 * len(optimizers), 4), squeeze=False)
     momentum0 = min(r["arm"]["momentum"] for r in records)
@@ -73,10 +73,10 @@ def _loss_curves(plt, records, arms_dir: Path, colours: dict[str, str], out: Pat
                     color=colours[mode], linestyle="--" if ef else "-", linewidth=1.2)
         ax.set(title=f"{optimizer} (momentum {momentum0:g})", xlabel="step", ylabel="training loss (smoothed)")
         ax.legend(fontsize=7)
-    return _save(plt, fig, out / "loss_curves.png")
+    return _save(plt, fig, out / f"loss_curves{suffix}.png")
 
 
-def _gap_bars(plt, rows, colours: dict[str, str], out: Path) -> Path | None:
+def _gap_bars(plt, rows, colours: dict[str, str], out: Path, suffix: str) -> Path | None:
     """A panel per optimizer (their gaps differ by an order of magnitude), a bar per delayed mode."""
     delayed = [r for r in rows if r["mode"] != "sync" and r["gap"] is not None]
     if not delayed:
@@ -97,10 +97,10 @@ def _gap_bars(plt, rows, colours: dict[str, str], out: Path) -> Path | None:
         ax.set_xticks(range(len(bars)), [_label(mode, ef) for mode, ef in bars], rotation=55, ha="right", fontsize=7)
         ax.set(title=optimizer, ylabel="validation loss − sync")
     fig.suptitle(f"Gap to synchronous training (momentum {momentum0:g}; ± the seed spread)")
-    return _save(plt, fig, out / "gap_bars.png")
+    return _save(plt, fig, out / f"gap_bars{suffix}.png")
 
 
-def _gap_vs_momentum(plt, rows, main: str | None, out: Path) -> Path | None:
+def _gap_vs_momentum(plt, rows, main: str | None, out: Path, suffix: str) -> Path | None:
     """The gap of the main delayed mode (Study.main_delayed_mode) against momentum, EF off."""
     delayed = [r for r in rows if r["mode"] == main and not r["ef_lambda"] and r["gap"] is not None]
     lines: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
@@ -116,7 +116,7 @@ def _gap_vs_momentum(plt, rows, main: str | None, out: Path) -> Path | None:
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(xlabel="momentum", ylabel="validation loss − sync", title=f"Gap to synchronous training vs momentum ({main})")
     ax.legend(fontsize=7)
-    return _save(plt, fig, out / "gap_vs_momentum.png")
+    return _save(plt, fig, out / f"gap_vs_momentum{suffix}.png")
 
 
 def depth_trends(rows) -> dict[str, dict[tuple[str, float], list[tuple[int, float, float]]]]:
@@ -131,7 +131,7 @@ def depth_trends(rows) -> dict[str, dict[tuple[str, float], list[tuple[int, floa
     return {o: {line: sorted(points) for line, points in lines.items()} for o, lines in trends.items()}
 
 
-def _gap_vs_depth(plt, rows, out: Path) -> Path | None:
+def _gap_vs_depth(plt, rows, out: Path, suffix: str) -> Path | None:
     """One panel per optimizer (their gaps differ by an order of magnitude): a line per schedule and
     momentum, PipeDream dashed, the others solid."""
     trends = depth_trends(rows)
@@ -149,7 +149,7 @@ def _gap_vs_depth(plt, rows, out: Path) -> Path | None:
         ax.set(title=optimizer, xlabel="pipeline depth", ylabel="validation loss − sync")
         ax.legend(fontsize=7)
     fig.suptitle("Gap to synchronous training vs pipeline depth (EF off)")
-    return _save(plt, fig, out / "gap_vs_depth.png")
+    return _save(plt, fig, out / f"gap_vs_depth{suffix}.png")
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -159,14 +159,17 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def write_figures(out_dir: Path, rows: list[dict], records: list[dict], main_mode: str | None) -> list[Path]:
-    """Draw the study's figures into out_dir (main_mode: the name of the study's main delayed mode);
-    returns the files written."""
+def write_figures(out_dir: Path, rows: list[dict], records: list[dict], main_mode: str | None,
+                  suffix: str = "") -> list[Path]:
+    """Draw the study's figures into out_dir (main_mode: the name of the study's main delayed mode),
+    each file's stem followed by `suffix` (a second learning-rate protocol's: `_per_mode`); returns the
+    files written."""
     if not records:
         return []
     plt = _plt()
     out_dir.mkdir(parents=True, exist_ok=True)
     colours = _colours(r["mode"] for r in records)
-    written = [_loss_curves(plt, records, out_dir / "arms", colours, out_dir), _gap_bars(plt, rows, colours, out_dir),
-               _gap_vs_momentum(plt, rows, main_mode, out_dir), _gap_vs_depth(plt, rows, out_dir)]
+    written = [_loss_curves(plt, records, out_dir / "arms", colours, out_dir, suffix),
+               _gap_bars(plt, rows, colours, out_dir, suffix), _gap_vs_momentum(plt, rows, main_mode, out_dir, suffix),
+               _gap_vs_depth(plt, rows, out_dir, suffix)]
     return [p for p in written if p is not None]

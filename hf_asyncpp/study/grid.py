@@ -19,6 +19,12 @@
     checkpoint_steps: 100                   # an arm saves its training state every N steps, and an
                                             # interrupted arm resumes from it (default 0: starts over)
     output_dir: outputs/study_cpu           # relative to the working directory
+    lr_protocol: both                       # sync (default): delayed arms reuse the sync pick; per_mode: each
+                                            # delayed (optimizer, mode, EF λ, momentum) tunes its own on the
+                                            # first seed; both: the two side by side
+    per_mode_lr_factors: [0.1, 0.3, 1.0]    # per_mode candidates: the sync pick × each (default)
+    lr_extensions: 2                        # a pick at the edge of three or more candidates adds one past
+                                            # it, up to this many times per tuned group (default 2)
 
 A mode is `sync` or `schedule[@depth][+syncN]`. `+syncN` is the sync-start baseline: the first N steps
 run synchronously, then the schedule's delays begin (the `sync_steps` config key); it is a mode of its
@@ -29,6 +35,9 @@ no delay to correct). Learning rates are chosen per (optimizer, momentum): `Stud
 the sync arms of the first seed at every candidate learning rate and every momentum value (none for an
 optimizer with one candidate), and `Study.arms(chosen)` gives every arm of an (optimizer, momentum) pair
 the learning rate `chosen[(optimizer, momentum)]` (or `chosen[optimizer]` for all its momentum values).
+Under the `per_mode` protocol each delayed (optimizer, mode, EF λ, momentum) then tunes its own rate
+among the sync pick × `per_mode_lr_factors` (`Study.per_mode_candidates`), on the first seed, and
+`Study.arms(chosen, per_mode)` gives its arms that pick (tuning.py holds the rule both tunings use).
 Every name is checked before anything runs.
 """
 
@@ -42,11 +51,20 @@ from typing import Mapping
 
 import yaml
 
-__all__ = ["Arm", "Study", "StudyError", "load_study", "mode_name"]
+__all__ = ["Arm", "PROTOCOLS", "Study", "StudyError", "load_study", "mode_name", "round_lr"]
 
 LAUNCHES = ("emulator", "pipeline")
+# How delayed arms get their learning rate: the sync arms' pick unchanged, or each delayed mode's own.
+PROTOCOLS = ("sync", "per_mode")
 _KEYS = {"name", "base_config", "base", "optimizers", "modes", "depth", "ef", "ef_modes", "momentum", "seeds",
-         "launch", "parallel", "output_dir", "threads_per_arm", "checkpoint_steps"}
+         "launch", "parallel", "output_dir", "threads_per_arm", "checkpoint_steps", "lr_protocol",
+         "per_mode_lr_factors", "lr_extensions"}
+
+
+def round_lr(lr: float) -> float:
+    """A derived learning rate (a factor of a pick, a step past a candidate) to two significant digits:
+    its arm's name and settings then read as written (0.009, not 0.009000000000000001)."""
+    return float(f"{lr:.2g}")
 
 
 class StudyError(ValueError):
@@ -125,6 +143,29 @@ class Study:
     checkpoint_steps: int = 0  # an arm's training checkpoints, every N steps (0: none; an interrupted arm starts over)
     output_dir: Path = field(default_factory=lambda: Path("outputs/study"))
     ef_modes: list[tuple[str, int, int]] | None = None  # the delayed modes run at each λ > 0; None: all
+    protocols: tuple[str, ...] = ("sync",)  # lr_protocol: ("sync",), ("per_mode",) or both
+    per_mode_lr_factors: tuple[float, ...] = (0.1, 0.3, 1.0)
+    lr_extensions: int = 2  # candidates a tuned group may add past an edge pick
+
+    @property
+    def delayed_groups(self) -> list[tuple[str, tuple[str, int, int], float, float]]:
+        """Every delayed (optimizer, mode, EF λ, momentum): what the per_mode protocol tunes a rate for."""
+        return [(opt, mode, ef, momentum) for mode in self.modes if mode[0] != "sync"
+                for opt in self.learning_rates for momentum in self.momentums for ef in self.mode_ef_lambdas(mode)]
+
+    def per_mode_candidates(self, sync_lr: float) -> list[float]:
+        """A delayed group's candidate learning rates: its sync pick times each factor."""
+        return sorted({round_lr(sync_lr * factor) for factor in self.per_mode_lr_factors})
+
+    def tuning_arm(self, group: tuple, lr: float) -> Arm:
+        """The first seed's arm of a tuned group at `lr`: (optimizer, momentum) tunes a sync arm,
+        (optimizer, mode, EF λ, momentum) a delayed one."""
+        if len(group) == 2:
+            optimizer, momentum = group
+            depth = self.depth if self.launch == "pipeline" else 1
+            return Arm(optimizer, "sync", depth, 0.0, momentum, lr, self.seeds[0])
+        optimizer, (schedule, depth, sync_steps), ef, momentum = group
+        return Arm(optimizer, schedule, depth, ef, momentum, lr, self.seeds[0], sync_steps)
 
     def mode_ef_lambdas(self, mode: tuple[str, int, int]) -> list[float]:
         """The EF λ values a mode runs at: none for sync (no delay to correct), every `ef` value for a
@@ -154,8 +195,9 @@ class Study:
             return chosen_lr[optimizer]
         raise StudyError(f"no learning rate chosen for {optimizer} at momentum {momentum:g}")
 
-    def arms(self, chosen_lr: Mapping) -> list[Arm]:
-        """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`), in
+    def arms(self, chosen_lr: Mapping, per_mode: Mapping | None = None) -> list[Arm]:
+        """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`), a
+        delayed group in `per_mode` ((optimizer, mode, EF λ, momentum) → rate) at its own, in
         the order a grid run in parts wants: first the first seed's, mode by mode in the file's order
         (one look at every mode, every optimizer at a mode before any runs the next); then the other
         seeds' mode by mode, every seed of a mode before the next mode, so the claims about the first
@@ -168,16 +210,19 @@ class Study:
             for optimizer, momentum, seed in itertools.product(self.learning_rates, self.momentums, seeds):
                 lr = self.learning_rate(chosen_lr, optimizer, momentum)
                 for ef in self.mode_ef_lambdas((schedule, depth, sync_steps)):
-                    arms.append(Arm(optimizer, schedule, depth, ef, momentum, lr, seed, sync_steps))
+                    own = (per_mode or {}).get((optimizer, (schedule, depth, sync_steps), ef, momentum), lr)
+                    arms.append(Arm(optimizer, schedule, depth, ef, momentum, own, seed, sync_steps))
         return arms
 
+    def sync_groups(self) -> dict[tuple[str, float], list[float]]:
+        """The (optimizer, momentum) pairs whose sync arms choose a learning rate, with their
+        candidates; none for an optimizer with a single candidate."""
+        return {(opt, momentum): lrs for opt, lrs in self.learning_rates.items() if len(lrs) > 1
+                for momentum in self.momentums}
+
     def tuning_arms(self) -> list[Arm]:
-        """The sync arms (first seed, every momentum value) that choose each (optimizer, momentum)'s
-        learning rate; none for an optimizer with a single candidate."""
-        depth = self.depth if self.launch == "pipeline" else 1
-        return [Arm(opt, "sync", depth, 0.0, momentum, lr, self.seeds[0])
-                for opt, lrs in self.learning_rates.items() if len(lrs) > 1
-                for momentum in self.momentums for lr in lrs]
+        """The sync arms (first seed, every momentum value) at the file's candidates."""
+        return [self.tuning_arm(group, lr) for group, lrs in self.sync_groups().items() for lr in lrs]
 
 
 def _list(values, key: str, kind) -> list:
@@ -267,6 +312,17 @@ def load_study(path: str | os.PathLike) -> Study:
             raise StudyError(f"ef_modes lists {', '.join(stray)}, not a delayed mode in 'modes'")
         if 0 not in study.ef_lambdas and any(m not in study.ef_modes for m in modes if m[0] != "sync"):
             raise StudyError("a delayed mode left out of ef_modes runs with EF off only, so 'ef' must include 0")
+    protocol = raw.get("lr_protocol", "sync")
+    if protocol not in (*PROTOCOLS, "both"):
+        raise StudyError(f"lr_protocol must be one of {', '.join(PROTOCOLS)}, both; got '{protocol}'")
+    study.protocols = PROTOCOLS if protocol == "both" else (protocol,)
+    study.per_mode_lr_factors = tuple(_list(raw.get("per_mode_lr_factors", [0.1, 0.3, 1.0]),
+                                            "per_mode_lr_factors", float))
+    if not study.per_mode_lr_factors or any(f <= 0 for f in study.per_mode_lr_factors):
+        raise StudyError("per_mode_lr_factors are positive factors of the sync pick, e.g. [0.1, 0.3, 1.0]")
+    study.lr_extensions = int(raw.get("lr_extensions", 2))
+    if study.lr_extensions < 0:
+        raise StudyError("lr_extensions must be >= 0 (0: an edge pick is only flagged)")
     if any(ef < 0 for ef in study.ef_lambdas):
         raise StudyError("ef values are Error Feedback strengths λ >= 0 (0: off)")
     if study.parallel < 1:

@@ -28,15 +28,10 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["collect_arms", "ef_share", "final_losses", "results_rows", "spread", "summary_markdown", "write_results"]
+__all__ = ["ef_share", "final_losses", "results_rows", "spread", "summary_markdown", "write_results"]
 
-COLUMNS = ("optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
+COLUMNS = ("protocol", "optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
            "gap", "gap_std", "ef_recovered")
-
-
-def collect_arms(arms_dir: Path) -> list[dict]:
-    """Every finished arm's record (arm.json) under `arms_dir`."""
-    return [json.loads(p.read_text()) for p in sorted(Path(arms_dir).glob("*/arm.json"))]
 
 
 def _std(values: list[float]) -> float:
@@ -73,8 +68,8 @@ def ef_share(gap_off: float | None, gap_ef: float | None) -> float | None:
     return (gap_off - gap_ef) / gap_off
 
 
-def results_rows(records: list[dict]) -> list[dict]:
-    """The table's rows, sync first within each optimizer."""
+def results_rows(records: list[dict], protocol: str = "sync") -> list[dict]:
+    """The table's rows, sync first within each optimizer, for the arms a learning-rate protocol reads."""
     losses = final_losses(records)
     learning_rates = {(r["arm"]["optimizer"], r["mode"], r["arm"]["ef_lambda"], r["arm"]["momentum"]):
                       r["arm"]["learning_rate"] for r in records}
@@ -93,7 +88,7 @@ def results_rows(records: list[dict]) -> list[dict]:
         recovered = None
         if key[2] > 0 and (key[0], key[1], 0.0, key[3]) in losses:
             recovered = ef_share(gap((key[0], key[1], 0.0, key[3]))[0], gap_mean)
-        rows.append(dict(zip(COLUMNS, (key[0], key[1], key[2], key[3], learning_rates[key], len(values),
+        rows.append(dict(zip(COLUMNS, (protocol, key[0], key[1], key[2], key[3], learning_rates[key], len(values),
                                        statistics.fmean(values), _std(values), gap_mean, gap_std, recovered))))
     return rows
 
@@ -113,7 +108,16 @@ def markdown_head(columns: list[str]) -> list[str]:
 
 
 def summary_markdown(rows: list[dict]) -> str:
-    """summary.md: gaps per (optimizer, momentum, EF λ) × delayed mode, then EF's share per mode."""
+    """summary.md: per learning-rate protocol, gaps per (optimizer, momentum, EF λ) × delayed mode, then
+    EF's share per mode."""
+    protocols = list(dict.fromkeys(r["protocol"] for r in rows))
+    if len(protocols) > 1:
+        return "\n".join(f"Protocol `{p}`:\n\n" + _protocol_summary([r for r in rows if r["protocol"] == p])
+                         for p in protocols)
+    return _protocol_summary(rows)
+
+
+def _protocol_summary(rows: list[dict]) -> str:
     modes = _delayed_modes(rows)
     by_key = {(r["optimizer"], r["momentum"], r["ef_lambda"], r["mode"]): r for r in rows}
     pairs = sorted({(r["optimizer"], r["momentum"]) for r in rows})
@@ -157,11 +161,15 @@ def _cell(column: str, value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: list[str]) -> list[Path]:
+def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: list[str],
+                  stale: list[str] = ()) -> list[Path]:
+    """results.json/.csv/.md and summary.md; `stale`: arms of the grid that finished under other settings or
+    numerics than this code's (not in the table: a rerun of the study runs them again)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md", out_dir / "summary.md"]
     per_arm = {Arm.from_record(r).name: r["final_eval"]["eval_loss"] for r in records}
-    paths[0].write_text(json.dumps({"rows": rows, "arms": per_arm, "failed_arms": failed}, indent=1))
+    paths[0].write_text(json.dumps({"rows": rows, "arms": per_arm, "failed_arms": failed, "stale_arms": list(stale)},
+                                   indent=1))
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
@@ -169,6 +177,9 @@ def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: 
     lines = markdown_head(COLUMNS) + [markdown_row([_cell(c, row[c]) for c in COLUMNS]) for row in rows]
     if failed:
         lines += ["", f"Failed arms (not in the table): {', '.join(failed)}"]
+    if stale:
+        lines += ["", f"Stale arms, finished under other settings or numerics (not in the table; a rerun of the study "
+                      f"runs them again): {', '.join(stale)}"]
     paths[2].write_text("\n".join(lines) + "\n")
     paths[3].write_text(summary_markdown(rows))
     return paths

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..log import get_logger
-from ..provenance import machine, software_versions, source_commit
+from ..provenance import NUMERICS, machine, software_versions, source_commit
 from .grid import Arm, Study, StudyError
 from .processes import ArmProcesses, StudyStopped
 
@@ -130,12 +130,14 @@ def _settings(study: Study, arm: Arm) -> dict:
 
 
 def _finished(directory: Path, settings: dict) -> dict | None:
-    """The record of the arm in `directory` if it finished with `settings`, else None. A key its record
-    lacks (added to the config after it ran) counts as that key's default, which keeps the behaviour
-    from before the key."""
+    """The record of the arm in `directory` if it finished with `settings` under this code's numerics
+    (provenance.NUMERICS), else None. A key its record lacks (added to the config after it ran) counts
+    as that key's default, which keeps the behaviour from before the key."""
     try:
         record = json.loads((directory / DONE).read_text())
     except (OSError, ValueError):
+        return None
+    if (record.get("provenance") or {}).get("numerics") != NUMERICS:
         return None
     from ..config import TrainConfig
 
@@ -178,7 +180,8 @@ def progress(study: Study, arms: list[Arm]) -> str:
 
 
 def _resumable_step(directory: Path, settings: dict) -> int:
-    """The step of the arm's latest complete checkpoint when the run that wrote it had `settings`, else 0."""
+    """The step of the arm's latest complete checkpoint when the run that wrote it had `settings` and this
+    code's numerics, else 0."""
     from ..checkpoint.checkpoints import list_checkpoints
 
     try:
@@ -186,7 +189,7 @@ def _resumable_step(directory: Path, settings: dict) -> int:
     except (OSError, ValueError):
         return 0
     saved = list_checkpoints(directory)
-    if running.get("settings") != settings or not saved:
+    if running.get("settings") != settings or running.get("numerics") != NUMERICS or not saved:
         return 0
     return int(saved[-1].name.rsplit("-", 1)[1])
 
@@ -225,7 +228,7 @@ def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
     if processes.stop_signal is not None:
         return "not started"
     if (directory / DONE).is_file():
-        log(f"study: {arm.name}: its settings changed since it ran; running it again")
+        log(f"study: {arm.name}: its settings or numerics changed since it ran; running it again")
         (directory / DONE).unlink()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / FAILED).unlink(missing_ok=True)
@@ -234,13 +237,13 @@ def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
         log(f"study: {arm.name}: resuming after step {resumed_after}")
     else:
         _drop_checkpoints(directory)  # another run's, or none
-    provenance = {"commit": source_commit(), "versions": software_versions(), "machine": machine()}
+    provenance = {"numerics": NUMERICS, "commit": source_commit(), "versions": software_versions(), "machine": machine()}
     start = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     mode = "a" if resumed_after else "w"
 
     def started(pid: int) -> None:
-        (directory / RUNNING).write_text(json.dumps({"settings": settings, "pid": pid}))
+        (directory / RUNNING).write_text(json.dumps({"settings": settings, "numerics": NUMERICS, "pid": pid}))
 
     with open(directory / "stdout.txt", mode) as out, open(directory / "stderr.txt", mode) as err:
         status = processes.run(_command(study, arm), out, err, env, started)

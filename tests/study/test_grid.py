@@ -90,57 +90,6 @@ def test_the_untuned_pick_is_every_optimizers_first_candidate_at_every_momentum(
     assert read_chosen(study) == study.first_learning_rates()  # no tuning.json yet
 
 
-def test_before_tuning_json_exists_the_finished_tuning_arms_pick_by_the_same_rule(tmp_path):
-    """A report while tuning still runs shows each (optimizer, momentum) at its best finished learning
-    rate, not at its first candidate; a pair with no finished trial keeps its first candidate."""
-    from hf_asyncpp.study.runner import _settings, arm_dir
-
-    study = _study(tmp_path)
-    losses = {1.0e-3: 4.8, 3.0e-3: 4.1}  # adamw at momentum 0.9 only: the better is the second candidate
-    for arm in study.tuning_arms():
-        if arm.momentum == 0.9:
-            directory = arm_dir(study, arm)
-            directory.mkdir(parents=True)
-            (directory / "arm.json").write_text(json.dumps(
-                {"arm": arm.__dict__, "settings": _settings(study, arm),
-                 "final_eval": {"eval_loss": losses[arm.learning_rate]}}))
-    assert read_chosen(study) == {**study.first_learning_rates(), ("adamw", 0.9): 3.0e-3}
-
-
-def test_tuning_json_records_one_pick_per_optimizer_and_momentum(tmp_path):
-    from hf_asyncpp.study import _tuning_record
-
-    study = _study(tmp_path)
-    trials = {("adamw", 0.9): {1.0e-3: 5.0, 3.0e-3: 4.5}, ("adamw", 0.95): {1.0e-3: 4.4, 3.0e-3: 4.9}}
-    chosen = {**study.first_learning_rates(), ("adamw", 0.9): 3.0e-3, ("adamw", 0.95): 1.0e-3}
-    study.output_dir.mkdir(parents=True)
-    (study.output_dir / "tuning.json").write_text(json.dumps(_tuning_record(trials, chosen, at_edge=set())))
-    assert read_chosen(study) == chosen
-    record = json.loads((study.output_dir / "tuning.json").read_text())
-    assert {"optimizer": "adamw", "momentum": 0.95, "learning_rate": 1.0e-3, "eval_loss": 4.4} in record["trials"]
-
-
-def test_a_tuning_json_from_before_per_momentum_tuning_keeps_its_arms_in_the_grid(tmp_path):
-    # The old format chose per optimizer (at the first momentum) and every momentum's arms ran with it.
-    study = _study(tmp_path)
-    study.output_dir.mkdir(parents=True)
-    (study.output_dir / "tuning.json").write_text(json.dumps(
-        {"trials": {"adamw": {"0.001": 5.0, "0.003": 4.5}}, "chosen": {"adamw": 3.0e-3, "muon": 2.0e-2}}))
-    chosen = read_chosen(study)
-    assert chosen == {("adamw", 0.9): 3.0e-3, ("adamw", 0.95): 3.0e-3, ("muon", 0.9): 2.0e-2, ("muon", 0.95): 2.0e-2}
-    assert "adamw-pipedream-2bw-p2-ef1-m0.95-lr0.003-s1" in {a.name for a in study.arms(chosen)}
-
-
-def test_an_unreadable_tuning_json_is_refused_with_what_to_do(tmp_path):
-    study = _study(tmp_path)
-    study.output_dir.mkdir(parents=True)
-    (study.output_dir / "tuning.json").write_text(json.dumps({"format": 7, "chosen": "?"}))
-    with pytest.raises(StudyError, match="delete it to tune again"):
-        read_chosen(study)
-
-
-# Sync start
-
 def test_a_sync_start_mode_parses_into_its_schedule_depth_and_synchronous_steps(tmp_path):
     study = _study(tmp_path, modes=["sync", "pipedream-2bw@4+sync100", "pipedream+sync20"], depth=2)
     assert study.modes == [("sync", 1, 0), ("pipedream-2bw", 4, 100), ("pipedream", 2, 20)]
@@ -296,26 +245,3 @@ def test_a_sync_start_rows_gap_is_to_the_sync_arm_of_its_optimizer_momentum_and_
     assert start_ef["ef_recovered"] == pytest.approx(0.75)  # against its own EF-off twin (0.2), not 2BW's (0.5)
 
 
-def test_a_best_learning_rate_at_the_edge_of_three_candidates_is_flagged(tmp_path):
-    """The tuning arms are found finished (their records in place), so nothing trains; the pick at
-    the largest candidate is warned about and marked in tuning.json, the one inside is not."""
-    from hf_asyncpp.study import _choose_learning_rates
-    from hf_asyncpp.study.runner import _settings, arm_dir
-
-    study = _study(tmp_path, optimizers={"adamw": [1.0e-3, 3.0e-3, 1.0e-2]})
-    losses = {(0.9, 1.0e-3): 4.3, (0.9, 3.0e-3): 4.0, (0.9, 1.0e-2): 3.9,  # best at the largest
-              (0.95, 1.0e-3): 4.4, (0.95, 3.0e-3): 4.1, (0.95, 1.0e-2): 4.2}  # best inside
-    for arm in study.tuning_arms():
-        directory = arm_dir(study, arm)
-        directory.mkdir(parents=True)
-        (directory / "arm.json").write_text(json.dumps(
-            {"arm": arm.__dict__, "mode": arm.mode, "settings": _settings(study, arm),
-             "final_eval": {"eval_loss": losses[(arm.momentum, arm.learning_rate)]}}))
-    logged = []
-    chosen = _choose_learning_rates(study, logged.append)
-    assert chosen[("adamw", 0.9)] == 1.0e-2 and chosen[("adamw", 0.95)] == 3.0e-3
-    warnings = [line for line in logged if "warning" in line]
-    assert len(warnings) == 1 and "adamw's best learning rate at momentum 0.9, 0.01, is the largest" in warnings[0]
-    record = json.loads((study.output_dir / "tuning.json").read_text())
-    assert {(c["momentum"], c["at_edge"]) for c in record["chosen"] if c["optimizer"] == "adamw"} == {
-        (0.9, True), (0.95, False)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hf_asyncpp.provenance import NUMERICS
 from hf_asyncpp.study import load_study
 from hf_asyncpp.study.grid import Arm
 from hf_asyncpp.study.runner import _finished, _settings, arm_dir, progress
@@ -33,7 +34,8 @@ def _record(study, arm: Arm, settings: dict | None = None, seconds: float | None
     directory.mkdir(parents=True)
     (directory / "arm.json").write_text(json.dumps(
         {"arm": arm.__dict__, "mode": arm.mode, "settings": settings or _settings(study, arm),
-         "final_eval": {"eval_loss": 4.0}, **({} if seconds is None else {"seconds": seconds})}))
+         "final_eval": {"eval_loss": 4.0}, "provenance": {"numerics": NUMERICS},
+         **({} if seconds is None else {"seconds": seconds})}))
     return directory
 
 
@@ -117,7 +119,7 @@ def test_progress_counts_the_finished_arms_and_times_the_rest_at_the_pace_of_the
     assert progress(study, arms) == "6 of 6 arms finished"
 
 
-def test_a_checkpoint_is_resumed_only_by_a_run_with_the_settings_that_wrote_it(tmp_path):
+def test_a_checkpoint_is_resumed_only_by_a_run_with_the_settings_and_numerics_that_wrote_it(tmp_path):
     from hf_asyncpp.study.runner import _resumable_step
 
     study = _study(tmp_path / "a")
@@ -128,8 +130,11 @@ def test_a_checkpoint_is_resumed_only_by_a_run_with_the_settings_that_wrote_it(t
         (directory / f"checkpoint-{step}").mkdir(exist_ok=True)
         (directory / f"checkpoint-{step}" / "manifest.json").write_text("{}")
     assert _resumable_step(directory, _settings(study, ARM)) == 0  # no running.json: whose it is is unknown
-    (directory / "running.json").write_text(json.dumps({"settings": _settings(study, ARM)}))
+    (directory / "running.json").write_text(json.dumps({"settings": _settings(study, ARM), "numerics": NUMERICS}))
     assert _resumable_step(directory, _settings(study, ARM)) == 40
+    (directory / "running.json").write_text(json.dumps({"settings": _settings(study, ARM), "numerics": "2026-01-01"}))
+    assert _resumable_step(directory, _settings(study, ARM)) == 0  # written by code of other numerics
+    (directory / "running.json").write_text(json.dumps({"settings": _settings(study, ARM), "numerics": NUMERICS}))
     edited = _study(tmp_path / "b", BASE_TEXT.replace("weight_decay: 0.1", "weight_decay: 0.2"))
     assert _resumable_step(directory, _settings(edited, ARM)) == 0
 
