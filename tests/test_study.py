@@ -113,7 +113,7 @@ def test_a_small_study_runs_its_table_follows_the_arms_metrics_and_a_crashed_arm
     base.write_text(base.read_text().replace("logging_steps: 1", "logging_steps: 2"))
     messages.clear()
     run_study(study_file, log=messages.append)
-    assert sum("its settings changed since it ran; running it again" in m for m in messages) == 6
+    assert sum("its settings or numerics changed since it ran; running it again" in m for m in messages) == 6
     assert "5 ran, 0 already finished, 1 failed" in messages[-1]
     crashed = arms / "adamw-pipedream-2bw-p2-ef1-m0.9-lr0.003-s1"
     assert (crashed / "failed.txt").read_text().startswith("exit status 3") and not (crashed / "arm.json").exists()
