@@ -137,7 +137,9 @@ def _play(args, config, model_config, plan, device, clock: _Clock, tracker=None)
     from hf_asyncpp.models.compile import compile_layers
     from hf_asyncpp.models.recompute import apply_activation_checkpointing
     from hf_asyncpp.parallel.fsdp import reduce_dtype
-    from hf_asyncpp.planning.plan import _label_state
+    from hf_asyncpp.executors.stage_update import StageUpdate
+    from hf_asyncpp.memory import held_tensors
+    from hf_asyncpp.planning.plan import label_state
     from hf_asyncpp.schedules import get_schedule_spec
     from hf_asyncpp.schedules.weight_versions import VersionedStage
     from hf_asyncpp.updates import Updater, Updates
@@ -159,32 +161,24 @@ def _play(args, config, model_config, plan, device, clock: _Clock, tracker=None)
     n_buffers = order.n_buffers(stage_index, pp, m)
     versioned = VersionedStage(module, n_buffers, dtype, reduce_dtype(config.grad_reduce_dtype, dtype))
     updater = Updater(config, [0], [stage_index], [module], order)
-    layout = SimpleNamespace(pp_size=1, dp_size=1, device=device)  # one stage: its update is applied at once
+    layout = SimpleNamespace(pp_size=1, dp_size=1, device=device, dp_group=None)  # one stage: its update is applied at once
     updates = Updates(config, layout, [module], [stage_index], gradients_averaged=True)
     n_slots = order.n_slots(pp, m)
     receive: list[tuple[torch.Tensor, ...]] | None = None  # gradient receive buffers, one per slot
     generator = torch.Generator(device=device).manual_seed(config.seed)
-    engine = SimpleNamespace(updaters=[updater], _eval_schedule=None, stages=[], versioned=[versioned],
-                             params=list(module.parameters()))
+    # The pipeline's own update of one stage (executors/stage_update.py), applied at once: one stage's norm.
+    stage_update = StageUpdate(0, stage_index, versioned, updater, module.routing_load, updates, spec, config, pp)
 
-    def label():
+    def label(*_):
         if tracker is not None:
-            _label_state(tracker, engine)
-            tracker.label([t for b in range(n_buffers) for t in versioned.gradient_sums(b).values()], "gradient")
+            label_state(tracker, held_tensors(list(module.parameters()), [updater], [versioned]))
             tracker.label([t for slot in receive or () for t in slot], "receive_buffer")
 
-    def update(version: int) -> None:  # engine._update_stage, then _apply_stage_update at once
-        versioned.move_gradients_to_master(order.buffer(stage_index, pp, version, m), 1 / m)
-        updates.post(0, version, updater, lambda norm: apply(norm))
+    updater.optimizer.register_step_pre_hook(label)
+    updater.optimizer.register_step_post_hook(label)
 
-    def apply(norm: float) -> None:
-        next_buffer = order.buffer(stage_index, pp, versioned.master_version + 1, m)
-        versioned.bind_master(next_buffer)
-        label()
-        updates.step(updater, norm)
-        label()
-        versioned.publish_master(next_buffer)
-        updater.optimizer.zero_grad(set_to_none=True)
+    def update(version: int) -> None:
+        stage_update.gradient_ready(version, version, 1 / m)
 
     pending: dict[int, tuple] = {}  # microbatch → (outputs, slot): forwarded, not yet backwarded
     timed = {"forward": [], "backward": [], "update": []}

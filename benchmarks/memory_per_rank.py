@@ -48,7 +48,7 @@ def _rank(rank, world_size, schedule, optimizer, ef):
         held = engine.state_bytes()
         engine.train_step(rows, None)  # drain
         engine.finish()
-        return dict(held, rank=rank, stage=engine.stage_ids[0], dp_rank=layout.dp_rank)
+        return dict(held, rank=rank, stage=engine.executor.stage_ids[0], dp_rank=layout.dp_rank)
     finally:
         shutdown_parallel()
 

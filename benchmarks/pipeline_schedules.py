@@ -65,7 +65,7 @@ def _fwd_bwd_s(engine, rows) -> tuple[float, float]:
 
     m = engine.config.n_microbatches
     start = time.perf_counter()
-    for module in engine.modules:
+    for module in engine.executor.modules:
         for mb in rows.chunk(m):
             if module.is_first:
                 args = (mb,)
@@ -75,15 +75,15 @@ def _fwd_bwd_s(engine, rows) -> tuple[float, float]:
                     args += (torch.zeros(2 * module.num_experts + 1, requires_grad=True),)
             out = module(*args)
             outputs = out if isinstance(out, tuple) else (out,)
-            loss = engine.loss_fn(out, mb) if module.is_last else sum(o.float().sum() for o in outputs)
+            loss = engine.executor.loss_fn(out, mb) if module.is_last else sum(o.float().sum() for o in outputs)
             loss.backward()
     computed = time.perf_counter()
-    for updater in engine.updaters:
+    for updater in engine.executor.updaters:
         updater.optimizer.step()
     stepped = time.perf_counter()
-    for updater in engine.updaters:
+    for updater in engine.executor.updaters:
         updater.optimizer.zero_grad(set_to_none=True)
-    engine.loss_fn.records.clear()
+    engine.executor.loss_fn.records.clear()
     return computed - start, stepped - computed
 
 

@@ -83,7 +83,7 @@ def _rank(rank, world_size, args, output_dir: str, resume: bool):
         t = time.perf_counter()
         engine = PipelineEngine(config, model_config, layout)
         mark("start_up", t)
-        report["stage_ids"] = engine.stage_ids
+        report["stage_ids"] = engine.executor.stage_ids
         if resume:
             t = time.perf_counter()
             state = load_checkpoint(engine, layout, find_checkpoint("latest", output_dir))

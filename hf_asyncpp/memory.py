@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["local_bytes", "state_bytes"]
+__all__ = ["held_tensors", "local_bytes", "state_bytes"]
 
 
 def _memory(t: torch.Tensor) -> tuple[int, int]:
@@ -36,17 +36,38 @@ def local_bytes(tensors: Iterable[torch.Tensor], counted_already: Iterable[torch
     return total
 
 
-def state_bytes(params, optimizers, error_feedbacks, versioned_stages) -> dict[str, int]:
-    """{kind: bytes on this rank} for parameters (the master copy), gradients, weight versions,
-    their compute copies, optimizer state and Error Feedback buffers."""
-    optimizer_state = [v for opt in optimizers for s in opt.state.values() for v in s.values()
-                       if isinstance(v, torch.Tensor)]
+def held_tensors(params, updaters, versioned_stages=(), torch_stages=()) -> dict[str, list[torch.Tensor]]:
+    """A rank's tensors by kind of state: parameter, gradient (with a low-precision compute copy's fp32
+    sums), optimizer_state, ef_buffer, weight_version (every buffer, the masters' included), compute_copy
+    (live gathered copies), receive_buffer (torch stages' P2P receive buffers)."""
+    def tensors(values) -> list[torch.Tensor]:
+        return [v for v in values if isinstance(v, torch.Tensor)]
+
+    versioned_stages = list(versioned_stages)
     return {
-        "parameters": local_bytes(params),
-        "gradients": local_bytes(p.grad for p in params if p.grad is not None),
+        "parameter": list(params),
+        "gradient": tensors([*(p.grad for p in params),
+                             *(t for v in versioned_stages for b in range(len(v.buffers_)) for t in v.gradient_sums(b).values())]),
+        "optimizer_state": tensors(v for u in updaters for s in u.optimizer.state.values() for v in s.values()),
+        "ef_buffer": tensors(t for u in updaters for t in getattr(u.stepper, "previous_update", {}).values()),
+        "weight_version": [t for v in versioned_stages for b in v.buffers_ for t in b.values()],
+        "compute_copy": [t for v in versioned_stages for c in v.live_compute_copies() for t in c.values()],
+        "receive_buffer": tensors(getattr(info, "buffer", None) for stage in torch_stages
+                                  for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+                                  for info in infos),
+    }
+
+
+def state_bytes(held: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """{kind: bytes on this rank} of what an executor holds (executors.Executor.held_tensors): parameters
+    (the master copy), gradients, weight versions beyond the masters, their compute copies, optimizer
+    state and Error Feedback buffers."""
+    return {
+        "parameters": local_bytes(held["parameter"]),
+        "gradients": local_bytes(held["gradient"]),
         # The master is one of the version buffers: the versions' bytes beyond it.
-        "weight_versions": local_bytes((t for v in versioned_stages for b in v.buffers_ for t in b.values()), params),
-        "compute_copies": local_bytes(t for v in versioned_stages for c in v.live_compute_copies() for t in c.values()),
-        "optimizer_state": local_bytes(optimizer_state),
-        "ef_buffers": local_bytes(t for ef in error_feedbacks for t in ef.previous_update.values()),
+        "weight_versions": local_bytes(held["weight_version"], held["parameter"]),
+        "compute_copies": local_bytes(held["compute_copy"]),
+        "optimizer_state": local_bytes(held["optimizer_state"]),
+        "ef_buffers": local_bytes(held["ef_buffer"]),
     }

@@ -19,14 +19,12 @@ non-finite) stays on the device, written into the step's statistics (metrics.Red
 with them. On a GPU the host can then queue the next forward while the backward still runs, instead of
 waiting for it there. A synchronous step reads its norm in the same transfer as the previous step's
 statistics; an asynchronous stage reads it once per update, when the update is applied, and one of
-those reads a step carries the previous step's statistics too (`carry`; where: async_order.statistics_read).
+those reads a step carries the previous step's statistics too (where: async_order.statistics_read).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -57,13 +55,11 @@ class Updater:
 
 
 class _Held:
-    """An update held until its global norm is in: the all-reduce of the squared norm of `unit`, and
-    what applies the update once the norm is known; posted in step `step` by `stages`."""
+    """An update held until its global norm is in: the all-reduce of the squared norm of `unit`, posted
+    in step `step` by `stages`."""
 
-    def __init__(self, unit: int, squared: torch.Tensor, work, apply: Callable[[float], None], stages: list[int],
-                 step: int):
-        self.unit, self.squared, self.work, self.apply = unit, squared, work, apply
-        self.stages, self.step = stages, step
+    def __init__(self, unit: int, squared: torch.Tensor, work, stages: list[int], step: int):
+        self.unit, self.squared, self.work, self.stages, self.step = unit, squared, work, stages, step
 
 
 class Updates:
@@ -80,7 +76,6 @@ class Updates:
         self._steps = self._reported_steps = 0  # steps started; steps whose skipped updates were taken
         self.skipped: dict[int, int] = {}  # per stage, updates skipped since the last take_skipped
         self._skipped_earlier: dict[int, int] = {}  # of them, those of a reported step's gradient
-        self._carried = None  # statistics the next norm read also reads (carry)
         self.start_step()
 
     def start_step(self) -> None:
@@ -148,53 +143,49 @@ class Updates:
         norms = [math.sqrt(sum(squared))] * len(updaters) if self.global_norm else [math.sqrt(s) for s in squared]
         return [self.step(u, norm, stepper) for u, norm, stepper in zip(updaters, norms, steppers)]
 
-    def post(self, index: int, unit: int, updater: Updater, apply: Callable[[float], None]) -> None:
-        """A stage of an asynchronous pipeline has the gradient of `unit`: `apply(norm)` now with its
-        own norm, or, clipping globally, once the pipeline's norm is in (`complete`)."""
+    def post(self, index: int, unit: int, updater: Updater, carry=None) -> float | None:
+        """A stage of an asynchronous pipeline has the gradient of `unit`: its own norm, to apply the update
+        with now; or, clipping globally, None: the pipeline's norm is on its way, and `complete` returns it.
+        `carry`: statistics the norm's host read also reads (`read_with`)."""
         if index in self._held:
             raise RuntimeError(f"stage {self.stage_ids[index]} posts unit {unit} while unit "
                                f"{self._held[index].unit} is still held: complete it first")
         squared = self._prepare(updater)
         if not self.holds_for_global_norm:
-            apply(self._read_norm(squared))
-            return
+            return self._read_norm(squared, carry)
         if len(self.modules) > 1:  # config_checks refuses it first, naming the order's deadlock
             raise RuntimeError("clipping by the global norm all-reduces one norm per update on each rank: it needs "
                                "one stage per rank (grad_clip_scope: stage clips each stage by its own)")
         total = squared.to(self.layout.device, copy=True).reshape(1)  # the recorded value stays this rank's
         work = dist.all_reduce(total, group=self.layout.norm_pp_group, async_op=True)
-        self._held[index] = _Held(unit, total, work, apply, updater.stages, self._steps)
+        self._held[index] = _Held(unit, total, work, updater.stages, self._steps)
+        return None
 
-    def complete(self, index: int, through_unit: int | None = None) -> None:
-        """Apply local module `index`'s held update (if it is of a unit <= `through_unit`), waiting for
-        its norm."""
+    def complete(self, index: int, through_unit: int | None = None, carry=None) -> float | None:
+        """The norm of local module `index`'s held update (if it is of a unit <= `through_unit`), waited
+        for: its update is to be applied with it now (None: no such update held)."""
         held = self._held.get(index)
         if held is None or (through_unit is not None and held.unit > through_unit):
-            return
+            return None
         del self._held[index]
         held.work.wait()
-        norm = self._read_norm(held.squared)
-        held.apply(norm)
+        norm = self._read_norm(held.squared, carry)
         if held.step <= self._reported_steps and not math.isfinite(norm):  # its step has reported
             for stage in held.stages:
                 self._skipped_earlier[stage] = self._skipped_earlier.get(stage, 0) + 1
+        return norm
 
-    def complete_all(self) -> None:
-        """Apply every held update (collective: before anything reads the weights or their state)."""
-        for index in sorted(self._held):
-            self.complete(index)
+    @property
+    def held_indices(self) -> list[int]:
+        """The local modules whose update is held for its norm, in index order."""
+        return sorted(self._held)
 
-    def carry(self, statistics) -> None:
-        """The next norm read also reads `statistics` (a step's ReducedStepStats, `read_with`) in the
-        same transfer; None: no longer."""
-        self._carried = statistics
-
-    def _read_norm(self, squared: torch.Tensor) -> float:
+    @staticmethod
+    def _read_norm(squared: torch.Tensor, carry=None) -> float:
         """The host read of an update's norm (from its squared norm, a float64 device scalar), with the
-        statistics carried, if any."""
+        statistics `carry` (a step's ReducedStepStats) in the same transfer, if given."""
         norm = squared.sqrt()
-        carried, self._carried = self._carried, None
-        return carried.read_with(norm)[0] if carried is not None else norm.item()
+        return carry.read_with(norm)[0] if carry is not None else norm.item()
 
     # --- the update --------------------------------------------------------------------------------
 

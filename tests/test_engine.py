@@ -109,7 +109,7 @@ def _worker(rank, world_size, pp_size, families, schedules):
                             p.add_(torch.randn_like(p))
                 engine = PipelineEngine(config, model_config, layout, model=full)
                 # The caller's model keeps only this rank's stages (the rest moved to the meta device).
-                held = {id(p) for module in engine.modules for p in module.parameters()}
+                held = {id(p) for module in engine.executor.modules for p in module.parameters()}
                 foreign_allocated = [n for n, p in full.named_parameters() if id(p) not in held and not p.is_meta]
                 mine = all_rows.view(layout.dp_size, MBS * M, SEQ)[layout.dp_rank]
                 loads = routed_token_counts(reference, all_rows, M * layout.dp_size)
@@ -202,15 +202,13 @@ def _eval_with_and_without_logits(rank, world_size, schedule, emulate):
         rows = torch.randint(0, model_config.vocab_size, (MBS * M, SEQ), generator=torch.Generator().manual_seed(3))
         engine.train_step(rows, rows)  # an asynchronous pipeline starts the next step's minibatch too
         loss, aux, dropped = engine.eval_step(rows)
-        kept_chunks = sum(len(stage.output_chunks) for stage in engine.stages)
-        if engine._eval_schedule is not None:
-            kept_chunks += sum(len(stage.output_chunks) for stage in engine._eval_schedule._stages)
+        kept_chunks = sum(len(stage.output_chunks) for stage in engine.executor.torch_stages())
         with_logits = engine.eval_step(rows, return_logits=True)
         engine.train_step(rows, None)
         engine.finish()
         return dict(loss=(loss, aux), dropped=dropped, kept_chunks=kept_chunks, with_logits=with_logits[:2],
                     logits_shape=None if with_logits[2] is None else tuple(with_logits[2].shape),
-                    last=engine.holds_last_stage)
+                    last=engine.executor.holds_last_stage)
     finally:
         shutdown_parallel()
 

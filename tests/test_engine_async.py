@@ -348,9 +348,9 @@ def _pending_sends_per_step(rank, world_size, schedule, steps):
         pending = []
         for k in range(steps):
             engine.train_step(rows, rows if k + 1 < steps else None)
-            pending.append(engine.schedule.pending_send_batches)
+            pending.append(engine.executor.schedule.pending_send_batches)
         engine.finish()
-        return pending, engine.schedule.pending_send_batches
+        return pending, engine.executor.schedule.pending_send_batches
     finally:
         shutdown_parallel()
 
@@ -385,7 +385,7 @@ def _teardown_when_stopped(rank, world_size):
     for _ in range(4):
         engine.train_step(rows, rows)
     engine.finish(wait_for_sends=False)  # as the loop does after a SIGTERM between steps
-    with group_teardowns(engine.schedule._links.values()) as ended:
+    with group_teardowns(engine.executor.schedule._links.values()) as ended:
         shutdown_parallel()
     return ended
 
@@ -420,7 +420,7 @@ def _receive_buffer_bytes(rank, world_size, schedule, n_microbatches):
         engine.train_step(rows, rows)
         engine.train_step(rows, None)
         engine.finish()
-        (stage,) = engine.stages
+        (stage,) = engine.executor.stages
         chunks = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
         buffers = {id(i.buffer): i.buffer for infos in chunks for i in infos if i.buffer is not None}
         one = sum(i.buffer.nbytes for i in (stage.args_recv_info[0] + stage.grad_recv_info[0]) if i.buffer is not None)

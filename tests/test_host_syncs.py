@@ -50,20 +50,20 @@ def _reads_per_step(rank, world_size, schedule, optimizer, scope, ef):
         for k in range(STEPS):
             next_rows = rows[k + 1] if engine.forwards_ahead and k + 1 < STEPS else None
             applied = []
-            original_step = engine.updates.step
+            original_step = engine.executor.updates.step
 
             def counting_step(*args, **kwargs):
                 applied.append(1)
                 return original_step(*args, **kwargs)
 
-            engine.updates.step = counting_step
+            engine.executor.updates.step = counting_step
             with host_reads_recorded() as reads:
                 engine.train_step(rows[k], next_rows)
-            engine.updates.step = original_step
+            engine.executor.updates.step = original_step
             per_step.append([(r.kind, r.site, _in_microbatch(r.stack)) for r in reads])
             updates.append(len(applied))
         engine.finish()
-        return per_step, updates, engine.versioned != []
+        return per_step, updates, engine.executor.forwards_ahead
     finally:
         shutdown_parallel()
 

@@ -182,11 +182,8 @@ def save_checkpoint(engine, layout, output_dir: str | Path, step: int, run_state
             if layout.is_main:
                 files = {name: info for share in shares for name, info in share.items()}
                 states = {TRAINER_STATE: trainer_state or {"global_step": step},
-                          PIPELINE_STATE: dict(run_state, format=FORMAT, step=step, pp_size=layout.pp_size,
-                                               dp_size=layout.dp_size, schedule=engine.spec.name,
-                                               n_microbatches=engine.config.n_microbatches,
-                                               sync_steps=engine.config.sync_steps,
-                                               emulate_pp_size=engine.emulated.depth if engine.emulated else 0)}
+                          PIPELINE_STATE: dict(run_state, format=FORMAT, step=step, dp_size=layout.dp_size,
+                                               **engine.executor.run_layout())}
                 if positions:
                     states[DATA_POSITIONS] = [positions[d] for d in sorted(positions)]
                 for name, value in states.items():
@@ -267,11 +264,9 @@ def load_checkpoint(engine, layout, path: Path) -> dict:
         raise verdict[0]
     run_state = verdict[0]
     verify_checksums(path, layout)
-    if engine.versioned or engine.emulated:  # in-flight state is replayed by the order, or kept versions emulate it
-        saved = {k: run_state.get(k, 0 if k in ("sync_steps", "emulate_pp_size") else None)
-                 for k in ("pp_size", "schedule", "n_microbatches", "sync_steps", "emulate_pp_size")}
-        current = dict(pp_size=layout.pp_size, schedule=engine.spec.name, n_microbatches=engine.config.n_microbatches,
-                       sync_steps=engine.config.sync_steps, emulate_pp_size=engine.emulated.depth if engine.emulated else 0)
+    if engine.executor.layout_bound:  # in-flight state is replayed by the order, or kept versions emulate it
+        current = engine.executor.run_layout()
+        saved = {k: run_state.get(k, 0 if k in ("sync_steps", "emulate_pp_size") else None) for k in current}
         if saved != current:
             raise CheckpointError(f"checkpoint {path} was saved by an asynchronous run with {saved}; resuming it needs "
                                   f"the same pp_size, schedule and n_microbatches, sync_steps and emulate_pp_size "

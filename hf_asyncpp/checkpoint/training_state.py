@@ -33,12 +33,12 @@ from torch.distributed.tensor import DTensor
 __all__ = ["load_training_state", "training_state"]
 
 
-def _updater_names(engine) -> list[list[str]]:
+def _updater_names(executor) -> list[list[str]]:
     """Per updater, the parameter names in its optimizer's own index order (torch numbers the
     parameters of all param groups consecutively)."""
-    names = {id(p): n for module in engine.modules for n, p in module.named_parameters()}
+    names = {id(p): n for module in executor.modules for n, p in module.named_parameters()}
     return [[names[id(p)] for group in updater.optimizer.param_groups for p in group["params"]]
-            for updater in engine.updaters]
+            for updater in executor.updaters]
 
 
 def _optimizer_params(updater) -> list:
@@ -68,16 +68,16 @@ def _unpack(tensor: torch.Tensor):
 
 def training_state(engine, rank: int) -> dict:
     """This rank's part of the training state, for `dcp.save` (tensors by reference, not copies)."""
-    state = _live_state(engine, rank)
+    state = _live_state(engine.executor, rank)
     return {k if isinstance(v, torch.Tensor) else k + _OBJ: v if isinstance(v, torch.Tensor) else _pack(v)
             for k, v in state.items()}
 
 
-def _live_state(engine, rank: int) -> dict:
+def _live_state(executor, rank: int) -> dict:
     state: dict = {}
-    for module in engine.modules:
+    for module in executor.modules:
         state.update({f"model.{k}": v for k, v in module.state_dict().items()})
-    for updater, names in zip(engine.updaters, _updater_names(engine)):
+    for updater, names in zip(executor.updaters, _updater_names(executor)):
         by_param = dict(zip(_optimizer_params(updater), names))
         for param, param_state in updater.optimizer.state.items():
             for key, value in param_state.items():
@@ -88,13 +88,7 @@ def _live_state(engine, rank: int) -> dict:
             "lr_scheduler": updater.lr_scheduler.state_dict(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in updater.optimizer.param_groups],
         }
-    for stage, versioned in zip(engine.stage_ids, engine.versioned):
-        names = list(versioned.buffers_[0])
-        for b, buffer in enumerate(versioned.buffers_):
-            state.update({f"versions.{stage}.{b}.{n}": buffer[n].detach() for n in names})
-        state[f"stage.{stage}"] = {"master_version": versioned.master_version}
-    if engine.emulated:
-        state.update(engine.emulated.state())
+    state.update(executor.state())  # its kind of run's own (weight versions, emulated versions)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -122,14 +116,15 @@ def _destination(saved: dict, key: str, like: torch.Tensor | None = None, like_l
 def load_training_state(engine, rank: int, saved: dict, read) -> dict:
     """Load what this rank needs from a checkpoint whose metadata entries are `saved` ({key: storage
     metadata}); `read(state)` fills a state dict in place (dcp.load). Returns the loaded objects."""
-    params = {n: p for module in engine.modules for n, p in module.named_parameters()}
+    executor = engine.executor
+    params = {n: p for module in executor.modules for n, p in module.named_parameters()}
     wanted: dict = {}
-    # Weights and buffers load in place; an asynchronous stage's master is one of its version
-    # buffers, which load below (it is bound to the right one once the versions are known).
-    masters = {n for versioned in engine.versioned for n, _ in versioned.inner.named_parameters()}
-    for module in engine.modules:
+    # Weights and buffers load in place, but those that load with the executor's own state (an
+    # asynchronous stage's master is one of its version buffers, bound once the versions are known).
+    masters = executor.masters()
+    for module in executor.modules:
         wanted.update({f"model.{k}": v for k, v in module.state_dict().items() if k not in masters})
-    for names in _updater_names(engine):
+    for names in _updater_names(executor):
         for name in names:
             for state_key, key in _state_keys(saved, name).items():
                 # Per-element state is laid out like its parameter; per-matrix state (SOAP's factors
@@ -137,35 +132,22 @@ def load_training_state(engine, rank: int, saved: dict, read) -> dict:
                 wanted[key] = _destination(saved, key, params[name], not state_key.endswith(_PER_MATRIX))
             if f"ef.{name}" in saved:
                 wanted[f"ef.{name}"] = _destination(saved, f"ef.{name}", params[name])
-    for stage, versioned in zip(engine.stage_ids, engine.versioned):
-        for b, buffer in enumerate(versioned.buffers_):
-            wanted.update({f"versions.{stage}.{b}.{n}": t.detach() for n, t in buffer.items()})
-    if engine.emulated:  # kept versions laid out like their parameters; routing biases whole
-        for stage in engine.stage_ids:
-            if f"emulated.{stage}{_OBJ}" not in saved:
-                raise ValueError(f"it holds no emulated state of stage {stage} (saved by another kind of run)")
-        for key in saved:
-            parts = key.split(".", 4)
-            if parts[0] == "emulated" and not key.endswith(_OBJ):
-                wanted[key] = _destination(saved, key, params.get(parts[4]) if parts[2] == "versions" else None)
+    wanted.update(executor.state_to_load(saved, lambda key, like=None: _destination(saved, key, like)))
     objects = [k for k in saved if k.split(".")[0] in ("updater", "stage", "emulated") and k.endswith(_OBJ)
                or k == f"rng.{rank}{_OBJ}"]
     wanted.update({k: _destination(saved, k) for k in objects})
-    for stage in engine.stage_ids if engine.versioned else ():
-        if f"stage.{stage}{_OBJ}" not in saved:
-            raise ValueError(f"it holds no weight versions of stage {stage} (saved with another pp_size or schedule)")
     missing = sorted(k for k in wanted if k not in saved)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} entries this run needs, e.g. {missing[:3]}")
     read(wanted)
     loaded = {k.removesuffix(_OBJ): _unpack(v) if k.endswith(_OBJ) else v for k, v in wanted.items()}
-    _restore(engine, loaded, rank)
+    _restore(executor, loaded, rank)
     return loaded
 
 
 @torch.no_grad()
-def _restore(engine, loaded: dict, rank: int) -> None:
-    for updater, names in zip(engine.updaters, _updater_names(engine)):
+def _restore(executor, loaded: dict, rank: int) -> None:
+    for updater, names in zip(executor.updaters, _updater_names(executor)):
         state = {i: {key: loaded[k] for key, k in _state_keys(loaded, name).items()} for i, name in enumerate(names)}
         # Another pp layout groups stages differently: any updater's schedule and hyperparameters
         # serve (they advance together: one update per step per stage).
@@ -180,12 +162,7 @@ def _restore(engine, loaded: dict, rank: int) -> None:
         if hasattr(updater.stepper, "previous_update"):
             updater.stepper.previous_update = {p: loaded[f"ef.{n}"] for p, n in zip(_optimizer_params(updater), names)
                                                if f"ef.{n}" in loaded}
-    for stage, versioned in zip(engine.stage_ids, engine.versioned):
-        versioned.master_version = loaded[f"stage.{stage}"]["master_version"]
-        versioned.bind_master(engine.version_buffer(stage, versioned.master_version), copy=False)
-        versioned.drop_compute_copies()
-    if engine.emulated:
-        engine.emulated.restore(loaded)
+    executor.restore(loaded)
     rng = loaded.get(f"rng.{rank}")
     if rng is not None:
         torch.set_rng_state(rng["cpu"])

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .host_reads import HostReads
 from .memory_tracker import MemoryTracker
 
-__all__ = ["ALLOWANCE_GIB", "KINDS", "overshoot", "plan_layout", "plan_rank", "planned_config", "table"]
+__all__ = ["ALLOWANCE_GIB", "KINDS", "label_state", "overshoot", "plan_layout", "plan_rank", "planned_config", "table"]
 
 ALLOWANCE_GIB = 6.0  # CUDA context (~0.5-1 GiB), NCCL communicators and buffers, allocator fragmentation
 GiB = 2**30
@@ -35,42 +35,27 @@ KINDS = ("parameter", "weight_version", "compute_copy", "gradient", "optimizer_s
          "receive_buffer", "activation", "temporary")
 
 
-def _tensors(values) -> list[torch.Tensor]:
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _label_state(tracker: MemoryTracker, engine) -> None:
-    """Name every kind of state the engine holds now (called while it runs, as often as it helps)."""
-    for updater in engine.updaters:
-        tracker.label(_tensors(v for s in updater.optimizer.state.values() for v in s.values()), "optimizer_state")
-        tracker.label(_tensors(getattr(updater.stepper, "previous_update", {}).values()), "ef_buffer")
-    evaluation = engine._eval_schedule._stages if engine._eval_schedule is not None else []
-    for stage in engine.stages + evaluation:
-        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
-            tracker.label(_tensors(getattr(info, "buffer", None) for info in infos), "receive_buffer")
-    for versioned in engine.versioned:
-        tracker.label(_tensors(t for c in versioned.live_compute_copies() for t in c.values()), "compute_copy")
-        tracker.label(_tensors(t for b in versioned.buffers_ for t in b.values()), "weight_version")
-        tracker.label(_tensors(t for b in range(len(versioned.buffers_)) for t in versioned.gradient_sums(b).values()),
-                      "gradient")  # fp32 sums of a low-precision compute copy's gradients
-    tracker.label(_tensors(p.grad for p in engine.params), "gradient")
-    tracker.label(engine.params, "parameter")  # last: the master is also one of the version buffers
+def label_state(tracker: MemoryTracker, held: dict[str, list]) -> None:
+    """Name every kind of state a rank holds now (memory.held_tensors; called while it runs, as often as
+    it helps); parameters last: a master is also one of its version buffers."""
+    for kind in sorted(held, key=lambda kind: kind == "parameter"):
+        tracker.label(held[kind], kind)
 
 
 def _hooks(tracker: MemoryTracker, engine) -> list:
     """Label state at each stage forward and each optimizer step; mark forwards (activations)."""
     def enter(*_):
         tracker.in_forward += 1
-        _label_state(tracker, engine)
+        label_state(tracker, engine.executor.held_tensors())
 
     def leave(*_):
         tracker.in_forward -= 1
 
     handles = []
-    for module in engine.modules:
+    for module in engine.executor.modules:
         handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
-    for updater in engine.updaters:
-        label = lambda *_: _label_state(tracker, engine)  # noqa: E731
+    for updater in engine.executor.updaters:
+        label = lambda *_: label_state(tracker, engine.executor.held_tensors())  # noqa: E731
         handles += [updater.optimizer.register_step_pre_hook(label), updater.optimizer.register_step_post_hook(label)]
     return handles
 
@@ -105,14 +90,14 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
             if engine.evaluates_mid_run:
                 engine.eval_step(tokens)
             eval_reads = reads.take() if engine.evaluates_mid_run else None
-            _label_state(tracker, engine)
+            label_state(tracker, engine.executor.held_tensors())
             for handle in handles:
                 handle.remove()
         steady = per_step[1:]
         parts = tracker.peak_parts()
         sites = sorted({site for s in steady for site in s})
         return {
-            "rank": rank, "pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "stages": engine.stage_ids,
+            "rank": rank, "pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "stages": engine.executor.stage_ids,
             "peak_bytes": tracker.peak_bytes,
             **{f"{kind}_bytes": parts.get(kind, 0) for kind in KINDS},
             "host_reads_per_step": max(sum(s.values()) for s in steady),

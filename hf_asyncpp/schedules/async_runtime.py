@@ -28,7 +28,6 @@ microbatches forwarded in step k are backwarded in step k + 1:
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Callable
 
@@ -51,17 +50,15 @@ SENDS_KEPT_FOR_STEPS = 2
 
 class AsyncPipelineSchedule(ProgramRuntime):
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, spec: ScheduleSpec,
-                 n_steps: int, update_stage: Callable[[int, int, int, float], None],
-                 await_update: Callable[[int, int], None], links: dict | None = None,
-                 updates_held: bool = False, statistics_carried: Callable[[], contextlib.AbstractContextManager] | None = None):
-        """`update_stage(stage_index, unit, version, grad_scale)` is called when a stage's update is
-        due: after the backward of a minibatch's last microbatch (grad_scale 1/m), or after every
-        backward for per-microbatch orders (grad_scale 1); `unit` is the update unit, `version` the
-        one the gradient was taken at. `await_update(stage_index, unit)`: the stage's updates up to
-        `unit` must have been applied now. `spec`: an asynchronous schedule (its order and placement).
-        `updates_held`: updates wait for the global norm (updates.py). `statistics_carried()`: a
-        context in which the host's next norm read also reads the previous step's statistics; the
-        runtime enters it around the one read of each step that `statistics_read` names."""
+                 n_steps: int, stage_updates: dict, links: dict | None = None, updates_held: bool = False):
+        """`stage_updates`: per local stage index, what updates it (executors/stage_update.StageUpdate):
+        `gradient_ready(unit, version, grad_scale, carry)` when the stage's update is due — after the
+        backward of a minibatch's last microbatch (grad_scale 1/m), or after every backward for
+        per-microbatch orders (grad_scale 1); `unit` is the update unit, `version` the one the gradient
+        was taken at — and `complete(through_unit, carry)` when its updates up to `through_unit` must have
+        been applied (returns whether it applied one). `carry`: the previous step's statistics, given to
+        the one norm read of a step that `statistics_read` names. `spec`: an asynchronous schedule (its
+        order and placement). `updates_held`: updates wait for the global norm (updates.py)."""
         order, self.pp_size = spec.order, stages[0].group_size
         self.n_slots = order.n_slots(self.pp_size, n_microbatches)
         super().__init__(stages, self.n_slots, loss_fn, scale_grads=False, links=links)
@@ -71,11 +68,12 @@ class AsyncPipelineSchedule(ProgramRuntime):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
             stage.forward_one_chunk = self._bound_forward(stage, stage.forward_one_chunk)
         self.register_custom_function(REDUCE_GRAD, self._apply_due_update)
-        self.update_stage, self.await_update = update_stage, await_update
+        self.stage_updates = stage_updates
         self.clipping = GlobalClipping(order, self.pp_size, n_microbatches)
         self._slot_forwards: dict[tuple[int, int], deque[int]] = {}  # (stage, slot) → this step's forwards, in order
         self._forwarding: int | None = None  # the global microbatch of the forward running now
-        self.updates_held, self.statistics_carried = updates_held, statistics_carried
+        self.updates_held = updates_held
+        self._carry = None  # the previous step's statistics, for the step's statistics read
         self._held: dict[int, int] = {}  # stage → the unit whose update it holds (updates_held)
         self._statistics_read_at: _Action | None = None
         self._losses: dict[int, torch.Tensor] = {}
@@ -106,8 +104,7 @@ class AsyncPipelineSchedule(ProgramRuntime):
         def forward_on_version(chunk_id, args, *rest, **kwargs):
             j = self._forwarding = self._slot_forwards[(stage.stage_index, chunk_id)].popleft()
             action = _Action(stage.stage_index, FORWARD, j)
-            with self._reading(action):
-                self._await_for(action)
+            self._await_for(action, self._carried_by(action))
             version = self._version_of(stage.stage_index, j)
             versioned.active = self.order.buffer(stage.stage_index, self.pp_size, version, self.m)
             if stage.is_first:
@@ -120,24 +117,24 @@ class AsyncPipelineSchedule(ProgramRuntime):
         """REDUCE_GRAD of stage s after the backward of global microbatch j: the stage's update."""
         s, j = action.stage_index, action.microbatch_index
         grad_scale = 1.0 if self.order.per_microbatch_updates else 1.0 / self.m
-        with self._reading(action):
-            self._await_for(action)
-            self.update_stage(s, self.clipping.unit_posted(action), self._version_of(s, j), grad_scale)
+        carry = self._carried_by(action)
+        if self._await_for(action, carry):
+            carry = None  # read along with the norm just awaited
+        self.stage_updates[s].gradient_ready(self.clipping.unit_posted(action), self._version_of(s, j), grad_scale, carry)
 
-    def _reading(self, action: _Action):
-        """Around the step's norm read that carries the previous step's statistics: the engine's context."""
-        if action == self._statistics_read_at and self.statistics_carried is not None:
-            return self.statistics_carried()
-        return contextlib.nullcontext()
+    def _carried_by(self, action: _Action):
+        """The statistics the norm read at `action` carries: the previous step's, at the step's one
+        statistics read (async_order.statistics_read), else None."""
+        return self._carry if action == self._statistics_read_at else None
 
     def updates_settled(self) -> None:
-        """The engine applied every held update between steps (an evaluation, a checkpoint)."""
+        """Every held update was applied between steps (an evaluation, a checkpoint)."""
         self._held.clear()
 
-    def _await_for(self, action: _Action) -> None:
+    def _await_for(self, action: _Action, carry=None) -> bool:
+        """Apply the updates `action` needs applied (GlobalClipping); whether one was."""
         unit = self.clipping.unit_awaited(action)
-        if unit is not None:
-            self.await_update(action.stage_index, unit)
+        return unit is not None and self.stage_updates[action.stage_index].complete(unit, carry)
 
     def _microbatch(self, j: int) -> torch.Tensor:
         if j // self.m not in self._rows:
@@ -154,11 +151,13 @@ class AsyncPipelineSchedule(ProgramRuntime):
 
     # --- one optimizer step's segment ----------------------------------------------------------
 
-    def run_step(self, rows: torch.Tensor | None, next_rows: torch.Tensor | None = None) -> None:
+    def run_step(self, rows: torch.Tensor | None, next_rows: torch.Tensor | None = None, carry=None) -> None:
         """Run this rank's program for step `step_index`. The first stage needs the rows of the
         minibatches it forwards and the last stage their labels: this step's, and the next one's when
-        the order forwards ahead (pass `next_rows`; None on the last step)."""
+        the order forwards ahead (pass `next_rows`; None on the last step). `carry`: the previous step's
+        statistics, read along with the step's statistics read."""
         step = self.step_index
+        self._carry = carry
         self._rows.update({k: r for k, r in ((step, rows), (step + 1, next_rows)) if r is not None})
         program = self._programs.program(self.rank, step)
         self._slot_forwards = {}
@@ -186,6 +185,7 @@ class AsyncPipelineSchedule(ProgramRuntime):
             stage.has_backward = self._has_backward
         flat, batches = self._lowered(program, slot=lambda j: j % self.n_slots)
         self._run_program(flat, batches, arg_mbs, None, target_mbs, return_outputs=False)
+        self._carry = None
         self._rows = {k: r for k, r in self._rows.items() if k > step - 2}
         self.retire_sends(programs_back=SENDS_KEPT_FOR_STEPS)
         self.step_index += 1

@@ -244,8 +244,8 @@ def _digests(engine) -> dict[str, str]:
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous()
 
     digests = {f"model.{n}": hashlib.sha1(t.numpy().tobytes()).hexdigest() for n, t in engine.stage_state_dict().items()}
-    for updater in engine.updaters:
-        names = {id(p): n for module in engine.modules for n, p in module.named_parameters()}
+    for updater in engine.executor.updaters:
+        names = {id(p): n for module in engine.executor.modules for n, p in module.named_parameters()}
         for p, state in updater.optimizer.state.items():
             digests[f"exp_avg.{names[id(p)]}"] = hashlib.sha1(whole(state["exp_avg"]).numpy().tobytes()).hexdigest()
     return digests

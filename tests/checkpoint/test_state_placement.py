@@ -49,7 +49,7 @@ def _metadata(state: dict) -> dict:
 
 def _on_meta(engine) -> None:
     """Move the stage's parameters to the meta device, the same Parameter objects (the optimizer's)."""
-    for p in [p for module in engine.modules for p in module.parameters()]:
+    for p in [p for module in engine.executor.modules for p in module.parameters()]:
         torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad))
 
 

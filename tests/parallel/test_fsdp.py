@@ -64,12 +64,12 @@ def _sharded_vs_unsharded(rank, world_size, pp_size, preset, schedule, optimizer
             reference, ref_losses, _ = _train(layout, preset, schedule, optimizer, fsdp=False)
             state, losses, engine = _train(layout, preset, schedule, optimizer, fsdp=True)
             # Per-element state; SOAP's factors and bases are per matrix, replicated by design.
-            opt_state = [v for u in engine.updaters for s in u.optimizer.state.values() for k, v in s.items()
+            opt_state = [v for u in engine.executor.updaters for s in u.optimizer.state.values() for k, v in s.items()
                          if getattr(v, "ndim", 0) > 0 and not k.endswith(("_factor", "_basis"))]
             report[optimizer] = dict(
                 param_diff=max((state[n] - reference[n]).abs().max().item() for n in reference),
                 loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                all_params_sharded=all(isinstance(p, DTensor) for p in engine.params),
+                all_params_sharded=all(isinstance(p, DTensor) for p in engine.executor.params),
                 all_state_sharded=bool(opt_state) and all(isinstance(v, DTensor) for v in opt_state),
             )
     finally:
@@ -110,7 +110,7 @@ def _started_from(rank, world_size, pp_size, preset, schedule, init_from):
         config = TrainConfig(model_config=preset, pp_size=pp_size, schedule=schedule, seq_len=SEQ, micro_batch_size=MBS,
                              n_microbatches=M, seed=4, init_from=init_from)
         engine = PipelineEngine(config, small_model_config(preset), layout)
-        return engine.stage_state_dict(), all(isinstance(p, DTensor) for p in engine.params)
+        return engine.stage_state_dict(), all(isinstance(p, DTensor) for p in engine.executor.params)
     finally:
         shutdown_parallel()
 
@@ -141,7 +141,7 @@ def _bytes_after_training(rank, world_size, pp_size, schedule):
     layout = init_parallel(read_launch(), pp_size)
     try:
         _, _, engine = _train(layout, "tiny-mixtral", schedule, "adamw", fsdp=True, ef=True)
-        return dict(engine.state_bytes(), stage=engine.stage_ids[0])
+        return dict(engine.state_bytes(), stage=engine.executor.stage_ids[0])
     finally:
         shutdown_parallel()
 
@@ -233,7 +233,7 @@ def _dtypes_seen_in_forward(rank, world_size, pp_size, schedule):
                              n_microbatches=M, max_steps=2, mixed_precision="bf16")
         engine = PipelineEngine(config, model_config, layout)
         seen = {"router": set(), "attention": set()}
-        for module in engine.modules:
+        for module in engine.executor.modules:
             for name, sub in module.named_modules():
                 kind = "router" if hasattr(sub, "e_score_correction_bias") else "attention" if name.endswith(
                     "self_attn.o_proj") else None
@@ -272,7 +272,7 @@ def _router_stats_dtype_entering_stages(rank, world_size, schedule):
                              n_microbatches=M, max_steps=1, mixed_precision="bf16")
         engine = PipelineEngine(config, model_config, layout)
         seen = set()
-        for module in engine.modules:  # after FSDP2's own pre-forward hook, which casts the inputs it casts
+        for module in engine.executor.modules:  # after FSDP2's own pre-forward hook, which casts the inputs it casts
             module.register_forward_pre_hook(
                 lambda m, args: seen.update(str(a.dtype) for a in args[1:] if isinstance(a, torch.Tensor)))
         rows = torch.randint(0, model_config.vocab_size, (MBS * M, SEQ))
