@@ -6,6 +6,7 @@
 - its test command is the one CI runs (.ci/run);
 - its Results tables are the committed study report's headline and verdicts tables, verbatim, and each
   loss difference its prose quotes is one the committed report or arms give;
+- every number of the reference study it (or docs/studies.md) quotes carries its source grade;
 - every relative link in it and in docs/ points at a file (and heading) that exists.
 """
 
@@ -103,6 +104,30 @@ def test_the_results_prose_quotes_only_numbers_the_committed_report_gives():
     stale = [value for value in re.findall(r"[+−-]\d\.\d{3}(?: ± \d\.\d{3})?", prose)
              if value.replace("-", "−") not in tables and value.replace("−", "-") not in given]
     assert not stale, f"README Results quotes {stale}, which {report} does not give"
+
+
+def _hand_written(text: str) -> str:
+    """A page without the blocks generated from the records (the report tables and the transcription, whose
+    numbers the study tests hold to their grades)."""
+    return re.sub(r"<!-- (report|reference): \S+ -->.*?<!-- /\1 -->", "", text, flags=re.S)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/studies.md"])
+def test_every_published_number_the_text_quotes_carries_its_source_grade(page):
+    """Each value the reference's records print with a digit in it (a loss, gap, share, or a finding such as
+    "16 stages") is followed by a grade, and every grade follows a value whose record has that grade: a
+    published number quoted without its grade, or with another, fails."""
+    from hf_asyncpp.study.reference import grade_legend, published_records
+
+    text, records = re.sub(r"\s+", " ", _hand_written((REPO / page).read_text())), published_records()  # one line
+    for record in (r for r in records if re.search(r"\d", r.shown)):
+        for quoted in re.finditer(rf"(?<![\d.])[+−-]?{re.escape(record.shown.lstrip('+'))}(?![\d%])", text):
+            assert text[quoted.end():].startswith((" [V2]", " [S1]")), \
+                f"{page} quotes {quoted.group()} without its grade"
+    rest = text.replace(grade_legend(), "")
+    for citation in sorted({r.cited for r in records}, key=len, reverse=True):
+        rest = rest.replace(citation, "")
+    assert not re.findall(r"\S+ \[(?:V2|S1)\]", rest), f"{page}: a grade that is not its record's"
 
 
 def _anchors(page: Path) -> set[str]:

@@ -82,7 +82,7 @@ def test_a_small_study_runs_its_table_follows_the_arms_metrics_and_a_crashed_arm
     # and the README's headline table gives sync, gap and gap with EF, each a mean ± its seed spread.
     cell = (f"{sync['val_loss']:.3f} ± {sync['val_loss_std']:.3f}, {off['gap']:+.3f} ± {off['gap_std']:.3f}, "
             f"{on['gap']:+.3f} ± {on['gap_std']:.3f} (2 seeds)")
-    assert f"| AdamW | 2.612, +0.278, +0.028 | {cell} |" in (out / "headline.md").read_text()
+    assert f"| AdamW | 2.612 [S1], +0.278 [S1], +0.028 [S1] | {cell} |" in (out / "headline.md").read_text()
     # The delayed arms really ran delayed: weight-version age 1 after the first step.
     metrics = [json.loads(line) for line in (arms / "adamw-pipedream-2bw-p2-m0.9-lr0.003-s0" / "metrics.jsonl")
                .read_text().splitlines() if '"loss"' in line]

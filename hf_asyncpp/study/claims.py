@@ -1,20 +1,29 @@
 """The reference study's claims held against a study's finished arms: claims.md.
 
 Each claim states what the reference study (Zmushko et al., ICML 2026) reports — numbers at 360M, dense,
-PipeDream-2BW, from its Tables 1 and 2 as transcribed in docs/studies.md — and, for every optimizer and
+PipeDream-2BW, from its Tables 1 and 2, each printed with its source grade (reference.py records them and
+docs/studies.md lists them: a reconstruction from secondary sources) — and, for every optimizer and
 momentum value the grid runs, one *effect*: a difference of final validation losses computed per seed
 (paired by seed: the same data order and initial weights), whose sign the claim predicts. "The gap" is
 an arm's loss minus the sync arm's of the same optimizer, momentum and seed; the delayed mode the claims
 about optimizers and EF use is PipeDream-2BW at the grid's smallest depth.
 
-The verdict, one rule for every effect: with n ≥ 2 seeds the effect counts when its mean differs from 0
-by more than the two-sided 95% Student-t bound, t(n − 1) · sd / √n (a paired t-test):
-- a claim that the effect is positive is `reproduced` when the mean is above the bound, `opposite` when
-  below its negative, else `not beyond noise`;
-- a claim that it is not positive (a gap that does not grow, a delayed run that matches sync) is
-  `not reproduced` when the mean is above the bound, `reproduced` when it is not positive, else (a
-  positive mean the seeds cannot tell from zero: two seeds rarely can) `not beyond noise`.
-One seed has no spread: the verdict then says only whether the sign agrees (`agrees (1 seed)`).
+The verdict, one rule for every effect: with n ≥ 2 seeds the effect counts when its mean differs from the
+claim's tolerance t (0 unless stated) by more than the two-sided 95% Student-t bound, t(n − 1) · sd / √n
+(a paired t-test of effect − t):
+- a claim that the effect exceeds t is `reproduced` when the mean is above t + bound, `opposite` when
+  below t − bound, else `not beyond noise`;
+- a claim that it does not exceed t (a gap that does not grow, t = 0; a delayed run with EF that matches
+  sync, t = the reference's own largest gap with EF at 360M, +0.028 [S1]) is `not reproduced` when the mean is
+  above t + bound, `reproduced` when it is at most t, else (a mean above t the seeds cannot tell from it:
+  two seeds rarely can) `not beyond noise`.
+One seed has no spread: the verdict then says only whether the mean is on the predicted side of t
+(`agrees (1 seed)`).
+
+Two claims carry a caveat the verdicts print: PipeDream-2BW's gap not growing with depth is true by
+construction in the emulator (every stage, at every depth, applies the same one-step-delayed update), so
+with `launch: emulator` its effects get no verdict; PipeDream against 2BW is confounded (PipeDream makes
+m updates per step on m-times smaller batches at the learning rate tuned for whole steps).
 
 A sync start, which the reference study lists among its compared baselines without a result, is held to
 the same rule in COMPARISONS (against delays from the first step, and against Error Feedback), apart
@@ -29,14 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .grid import Study, mode_name
+from .reference import (FINDINGS, MATCH_TOLERANCE, NAMES, RUNS_10B, RUNS_360M, REPORTED_SHARES, Published,
+                        grade_legend, share_notes, share_shown, where_of)
 from .results import ef_share, markdown_head, markdown_row, seeds_label, spread
 
-__all__ = ["CLAIMS", "COMPARISONS", "PUBLISHED", "Claim", "Effect", "claims_markdown", "headline_markdown", "verdict",
+__all__ = ["CLAIMS", "COMPARISONS", "Caveat", "Claim", "Effect", "claims_markdown", "headline_markdown", "verdict",
            "verdicts_markdown"]
-
-# The reference study at 360M, dense, PipeDream-2BW: per optimizer, the synchronous run's final validation
-# loss, the delayed run's gap to it (Table 1) and the gap with Error Feedback (Table 2).
-PUBLISHED = {"adamw": (2.612, 0.278, 0.028), "muon": (2.578, 0.012, 0.005), "soap": (2.581, 0.027, 0.009)}
 
 # Two-sided 95% quantiles of Student's t, by degrees of freedom (seeds − 1), to 3 decimals.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -52,18 +59,18 @@ def _t95(df: int) -> float:
             + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
 
 
-def verdict(values: list[float], expect_positive: bool) -> str:
-    """The verdict on an effect's per-seed values (the module's rule)."""
+def verdict(values: list[float], expect_positive: bool, tolerance: float = 0.0) -> str:
+    """The verdict on an effect's per-seed values against the claim's tolerance (the module's rule)."""
     if not values:
         return "not measured yet"
-    mean = statistics.fmean(values)
+    excess = statistics.fmean(values) - tolerance
     if len(values) == 1:
-        agrees = mean > 0 if expect_positive else mean <= 0
+        agrees = excess > 0 if expect_positive else excess <= 0
         return "agrees (1 seed)" if agrees else "disagrees (1 seed)"
     bound = _t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     if expect_positive:
-        return "reproduced" if mean > bound else "opposite" if mean < -bound else "not beyond noise"
-    return "not reproduced" if mean > bound else "reproduced" if mean <= 0 else "not beyond noise"
+        return "reproduced" if excess > bound else "opposite" if excess < -bound else "not beyond noise"
+    return "not reproduced" if excess > bound else "reproduced" if excess <= 0 else "not beyond noise"
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class _Grid:
 
     def __init__(self, study: Study, losses: dict[tuple, dict[int, float]]):
         self.losses, self.optimizers, self.momentums = losses, list(study.learning_rates), study.momentums
+        self.launch = study.launch
         plain = [(schedule, depth) for schedule, depth, sync_steps in study.modes
                  if schedule != "sync" and not sync_steps]
         self.depths = {s: sorted({d for t, d in plain if t == s}) for s, _ in plain}
@@ -199,11 +207,41 @@ def _sync_start_against_ef(g: _Grid) -> list[Effect]:
             for a, b in [_common(g.gap(o, start, m), g.gap(o, twin, m, g.ef))]]
 
 
-def _published(column: int) -> str:
-    return ", ".join(f"{_NAMES[o]} {numbers[column]:+.3f}" for o, numbers in PUBLISHED.items())
+def _per_optimizer(shown: dict[str, str], records: list[Published]) -> str:
+    """Published values per optimizer, each as `shown` prints it, then where the records are reported."""
+    return ", ".join(f"{NAMES[o]} {value}" for o, value in shown.items()) + f" ({where_of(records)})"
 
 
-_NAMES = {"adamw": "AdamW", "muon": "Muon", "soap": "SOAP"}
+def _published_gaps(run: str) -> str:
+    """Each optimizer's published gap of `run` at 360M, with its grade."""
+    gaps = {o: runs.gap(run) for o, runs in RUNS_360M.items()}
+    return _per_optimizer({o: gap.cited for o, gap in gaps.items()}, list(gaps.values()))
+
+
+def _sourced(finding: Published) -> str:
+    return f"{finding.cited} ({finding.where})"
+
+
+@dataclass(frozen=True)
+class Caveat:
+    """What a claim's effects can show in this grid, when not what the t-test verdict would suggest."""
+    label: str
+    reason: str
+    replaces_verdict: bool  # the effects test nothing: no verdict is drawn from them
+
+
+# schedules/pipedream.py: PipeDream2BW.delay is 1 for every stage at every depth, and the emulator
+# (emulation.py, optim/delay.py) only cuts the model into that many stages, each one update stale.
+BY_CONSTRUCTION = Caveat(
+    "true by construction in the emulator",
+    "every stage at every emulated depth applies PipeDream-2BW's update one step delayed, so runs at two depths "
+    "follow the same update rule and differ only in floating-point order: these effects are that noise, grown "
+    "over training; real pipelines (launch: pipeline) would test the claim", True)
+CONFOUNDED = Caveat(
+    "confounded",
+    "PipeDream updates after every microbatch: m = n_microbatches times as many updates as 2BW, each on an m-times "
+    "smaller batch, at the learning rate tuned for whole steps (not corrected for it), so the delay is not the only "
+    "difference", False)
 
 
 @dataclass(frozen=True)
@@ -211,35 +249,48 @@ class Claim:
     statement: str
     published: str
     effect: str  # the per-seed difference its effects measure
-    expect_positive: bool  # the claim predicts its effects > 0 (else: not > 0)
+    expect_positive: bool  # the claim predicts its effects > tolerance (else: not > tolerance)
     effects: Callable[[_Grid], list[Effect]]
+    tolerance: Published | None = None  # how far the effect may exceed 0 and the claim still hold
+    caveat: Callable[[_Grid], Caveat | None] = lambda grid: None
 
     @property
     def unpublished(self) -> bool:
         """A comparison without a published result (COMPARISONS): its verdicts read "holds"."""
         return not self.published
 
+    @property
+    def threshold(self) -> float:
+        return self.tolerance.value if self.tolerance else 0.0
 
+
+_DEPTHS = f"{_sourced(FINDINGS['depth_shown'])}, no numbers"
 CLAIMS = [
     Claim("a one-step delay costs AdamW far more than Muon and SOAP",
-          f"gap: {_published(1)} (Table 1)",
+          f"gap: {_published_gaps('delayed')}",
           "AdamW's gap − the other's", True, _optimizer_gaps),
     Claim("with Error Feedback the delayed run matches the synchronous one",
-          f"gap with EF: {_published(2)} (Table 2); 10B MoE, Muon: 1.906 = 1.906",
-          "the gap with EF", False, _ef_matches_sync),
-    Claim("Error Feedback removes at least half of the gap (50–90%)",
-          "AdamW 90%, Muon 71%, SOAP 67% (Table 2)",  # the paper's own shares, from its unrounded losses
+          f"gap with EF: {_published_gaps('ef')}; 10B MoE, Muon: {RUNS_10B.gap('ef').cited} "
+          f"({RUNS_10B.ef.cited} with EF, {RUNS_10B.sync.cited} sync; {RUNS_10B.ef.where})",
+          "the gap with EF", False, _ef_matches_sync, tolerance=MATCH_TOLERANCE),
+    Claim("Error Feedback removes at least half of the gap",
+          _per_optimizer({o: share_shown(o) for o in REPORTED_SHARES}, list(REPORTED_SHARES.values()))
+          + f"; across optimizers {_sourced(FINDINGS['ef_share_range'])}",
           "½ · the gap without EF − the gap with EF", True, _ef_removes_half),
-    Claim("a higher momentum tolerates the delay better", "momentum sweep (Figure 4), no numbers",
+    Claim("a higher momentum tolerates the delay better",
+          f"the gap at a higher momentum: {_sourced(FINDINGS['momentum'])}, no numbers",
           "the gap at the lower momentum − at the higher", True, _momentum),
     Claim("PipeDream-2BW's gap does not grow with the pipeline's depth",
-          "flat up to 16 stages (Section 6), no numbers",
-          "the gap at the largest depth − at the smallest", False, _growth_with_depth("pipedream-2bw")),
+          f"{FINDINGS['depth_2bw'].cited} up to {_DEPTHS}",
+          "the gap at the largest depth − at the smallest", False, _growth_with_depth("pipedream-2bw"),
+          caveat=lambda grid: BY_CONSTRUCTION if grid.launch == "emulator" else None),
     Claim("PipeDream's gap grows with the pipeline's depth",
-          "degrades sharply at 16 stages (Section 6), no numbers",
+          f"{FINDINGS['depth_pipedream'].cited}, shown at {_DEPTHS}",
           "the gap at the largest depth − at the smallest", True, _growth_with_depth("pipedream")),
-    Claim("at equal depth PipeDream's gap exceeds PipeDream-2BW's", "Section 6, no numbers",
-          "PipeDream's gap − PipeDream-2BW's, at the largest depth both run", True, _pipedream_against_2bw),
+    Claim("at equal depth PipeDream's gap exceeds PipeDream-2BW's",
+          f"PipeDream's {FINDINGS['depth_pipedream'].cited}, 2BW's {FINDINGS['depth_2bw'].cited}, at {_DEPTHS}",
+          "PipeDream's gap − PipeDream-2BW's, at the largest depth both run", True, _pipedream_against_2bw,
+          caveat=lambda grid: CONFOUNDED),
 ]
 
 # Comparisons the reference study reports no result for: it lists a synchronous start among the baselines
@@ -273,58 +324,100 @@ def _effect_range(claim: Claim, effects: list[Effect]) -> str:
     return f"{claim.effect}: {span} ({count})"
 
 
-def _verdict_of(claim: Claim, values: list[float]) -> str:
-    said = verdict(values, claim.expect_positive)
-    return _COMPARISON_WORDS.get(said, said) if claim.unpublished else said
+class _Judged:
+    """A claim with its effects in one grid, and the verdicts the tables print for them."""
+
+    def __init__(self, claim: Claim, grid: _Grid):
+        self.claim, self.effects, self.caveat = claim, claim.effects(grid), claim.caveat(grid)
+
+    def verdict(self, values: list[float]) -> str:
+        if values and self.caveat and self.caveat.replaces_verdict:
+            return self.caveat.label
+        said = verdict(values, self.claim.expect_positive, self.claim.threshold)
+        return _COMPARISON_WORDS.get(said, said) if self.claim.unpublished else said
+
+    def verdicts(self) -> str:
+        """The tally of its effects' verdicts, after what qualifies them all: the tolerance they are judged
+        against, or a caveat that leaves them their verdict."""
+        tally = _tally([self.verdict(e.values) for e in self.effects])
+        if self.claim.tolerance and self.effects:
+            return f"tolerance {self.claim.tolerance.cited}: {tally}"
+        if self.caveat and not self.caveat.replaces_verdict and self.effects:
+            return f"{self.caveat.label}: {tally}"
+        return tally
+
+    def prediction(self) -> str:
+        sign = ">" if self.claim.expect_positive else "not >"
+        threshold = f"{self.claim.tolerance.cited} (the tolerance)" if self.claim.tolerance else "0"
+        return f"{'holds when' if self.claim.unpublished else 'predicted'} {sign} {threshold}"
 
 
-def _verdict_rows(measured: list[tuple[Claim, list[Effect]]]) -> list[str]:
+def _verdict_rows(judged: list[_Judged]) -> list[str]:
     """The verdicts table: a line per claim (or per comparison, without the published column)."""
-    published = not any(claim.unpublished for claim, _ in measured)
+    published = not any(j.claim.unpublished for j in judged)
     lines = markdown_head(["claim" if published else "comparison",
-                           *(["published (360M dense, PipeDream-2BW)"] if published else []),
+                           *(["published, with its grade (360M dense, PipeDream-2BW, unless said)"]
+                             if published else []),
                            "effect here", "verdicts here"])
-    for claim, effects in measured:
-        lines.append(markdown_row([claim.statement, *([claim.published] if published else []),
-                                   _effect_range(claim, effects),
-                                   _tally([_verdict_of(claim, e.values) for e in effects])]))
+    for j in judged:
+        lines.append(markdown_row([j.claim.statement, *([j.claim.published] if published else []),
+                                   _effect_range(j.claim, j.effects), j.verdicts()]))
     return lines
 
 
-def _effect_tables(measured: list[tuple[Claim, list[Effect]]]) -> list[str]:
+def _notes(judged: list[_Judged]) -> list[str]:
+    """What the verdicts table's cells rest on: the grades, the contradicted shares, the tolerance, the caveats."""
+    notes = [grade_legend(), *share_notes()]
+    for j in judged:
+        if j.claim.tolerance:
+            notes.append(f"\"{j.claim.statement}\" is judged against a tolerance of {j.claim.tolerance.cited}, "
+                         f"{j.claim.tolerance.what}: reproduced when the effect's mean over seeds "
+                         "is at most it, not reproduced when it exceeds it by more than the 95% t bound, else not "
+                         "beyond noise (a tolerance of 0 would fail the reference's own result).")
+        if j.caveat and j.effects:
+            notes.append(f"\"{j.claim.statement}\": {j.caveat.label}: {j.caveat.reason}.")
+    return ["", *(f"- {note}" for note in notes)]
+
+
+def _effect_tables(judged: list[_Judged]) -> list[str]:
     """Each claim's effects, a table of them under its statement."""
     lines = []
-    for claim, effects in measured:
-        if not effects:
+    for j in judged:
+        if not j.effects:
             continue
-        sign = "> 0" if claim.expect_positive else "not > 0"
-        predicted = f"holds when {sign}" if claim.unpublished else f"predicted {sign}"
-        lines += ["", f"**{claim.statement}**: effect = {claim.effect}, {predicted}", "",
-                  *markdown_head(["compared", "measured (means over the effect's seeds)", "effect", "verdict"])]
-        for e in effects:
+        lines += ["", f"**{j.claim.statement}**: effect = {j.claim.effect}, {j.prediction()}", ""]
+        if j.caveat:
+            lines += [f"{j.caveat.label.capitalize()}: {j.caveat.reason}.", ""]
+        lines += markdown_head(["compared", "measured (means over the effect's seeds)", "effect", "verdict"])
+        for e in j.effects:
             effect = spread(statistics.fmean(e.values), _std(e.values), len(e.values)) if e.values else "–"
-            lines.append(markdown_row([e.subject, e.measured, effect, _verdict_of(claim, e.values)]))
+            lines.append(markdown_row([e.subject, e.measured, effect, j.verdict(e.values)]))
     return lines
+
+
+def _verdicts_block(judged: list[_Judged]) -> list[str]:
+    return [*_verdict_rows(judged), *_notes(judged)]
 
 
 def verdicts_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
-    """verdicts.md, the table README Results quotes: a line per claim (what is published, the span of its
-    effects here, the verdicts' tally); claims.md opens with it."""
+    """verdicts.md, the table README Results quotes: a line per claim (what is published with its grade, the
+    span of its effects here, the verdicts' tally with the tolerance or caveat they are read under), and the
+    notes those rest on; claims.md opens with it."""
     grid = _Grid(study, losses)
-    return "\n".join(_verdict_rows([(claim, claim.effects(grid)) for claim in CLAIMS])) + "\n"
+    return "\n".join(_verdicts_block([_Judged(claim, grid) for claim in CLAIMS])) + "\n"
 
 
 def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
     """claims.md: the verdicts table (verdicts_markdown), then each claim's effects; then, when the grid
     runs a sync start, the comparisons no result is published for, the same way."""
     grid = _Grid(study, losses)
-    measured = [(claim, claim.effects(grid)) for claim in CLAIMS]
+    judged = [_Judged(claim, grid) for claim in CLAIMS]
     lines = ["The reference study's claims against this grid's finished arms (rule: hf_asyncpp/study/claims.py).",
              "An effect is a per-seed difference of final validation losses; with several seeds it counts when",
-             "its mean exceeds the two-sided 95% Student-t bound of a paired test.", "",
-             *_verdict_rows(measured), *_effect_tables(measured)]
-    compared = [(comparison, effects) for comparison in COMPARISONS
-                for effects in [comparison.effects(grid)] if effects]
+             "its mean differs from the claim's tolerance (0 unless stated) by more than the two-sided 95%",
+             "Student-t bound of a paired test.", "",
+             *_verdicts_block(judged), *_effect_tables(judged)]
+    compared = [j for j in (_Judged(comparison, grid) for comparison in COMPARISONS) if j.effects]
     if compared:
         lines += ["", "## Sync start: no published result", "",
                   "The reference study lists a synchronous start among the baselines it compares and reports no",
@@ -346,22 +439,23 @@ def _headline_cell(values: list[tuple[dict | None, str, bool]]) -> str:
 
 def headline_markdown(study: Study, rows: list[dict]) -> str:
     """headline.md, the table README Results quotes: per optimizer, the published sync loss, gap and gap
-    with EF beside this grid's at each momentum, for PipeDream-2BW at the grid's smallest depth."""
+    with EF (each with its grade) beside this grid's at each momentum, for PipeDream-2BW at the grid's
+    smallest depth; under it, what the grades mean."""
     grid = _Grid(study, {})
     mode, ef_mode = grid.main, grid.ef_main
     by_key = {(r["optimizer"], r["momentum"], r["ef_lambda"], r["mode"]): r for r in rows}
-    lines = markdown_head(["optimizer", "published, 360M dense: sync, gap, gap with EF",
+    lines = markdown_head(["optimizer", "published, 360M dense (Tables 1–2): sync, gap, gap with EF",
                            *(f"here, momentum {m:g}" for m in study.momentums)])
     for o in study.learning_rates:
         published = "–"
-        if o in PUBLISHED:
-            sync, gap, gap_ef = PUBLISHED[o]
-            published = f"{sync:.3f}, {gap:+.3f}, {gap_ef:+.3f}"
+        if o in RUNS_360M:
+            runs = RUNS_360M[o]
+            published = ", ".join(r.cited for r in (runs.sync, runs.gap(), runs.gap("ef")))
         cells = []
         for m in study.momentums:
             values = [(by_key.get((o, m, 0.0, "sync")), "val_loss", False), (by_key.get((o, m, 0.0, mode)), "gap", True)]
             if ef_mode is not None:
                 values.append((by_key.get((o, m, grid.ef, ef_mode)), "gap", True))
             cells.append(_headline_cell(values))
-        lines.append(markdown_row([_NAMES.get(o, o), published, *cells]))
-    return "\n".join(lines) + "\n"
+        lines.append(markdown_row([NAMES.get(o, o), published, *cells]))
+    return "\n".join([*lines, "", grade_legend()]) + "\n"
