@@ -50,7 +50,7 @@ commands:
 def _study(argv: list[str]) -> int:
     import argparse
 
-    from .study import StudyError, StudyStopped, load_study, read_chosen, report, run_study
+    from .study import StudyError, StudyStopped, known_arms, load_study, report, run_study
     from .study.runner import progress
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp study")
@@ -62,8 +62,7 @@ def _study(argv: list[str]) -> int:
         if args.report_only:
             study = load_study(args.study)
             paths = report(study)
-            every_arm = {arm.name: arm for arm in study.tuning_arms() + study.arms(read_chosen(study))}
-            print(f"{study.name}: {progress(study, list(every_arm.values()))}", file=sys.stderr)
+            print(f"{study.name}: {progress(study, known_arms(study))}", file=sys.stderr)
         else:
             paths = run_study(args.study)
     except StudyError as err:

@@ -22,7 +22,7 @@ class EmulatedRun(Executor):
         super().__init__(config, model_config, layout, spec, model, depth, list(range(spec.n_stages(depth))),
                          dtype=None, fsdp_managed=False, per_stage_updates=True)
         self.emulated = EmulatedPipeline(self.modules, self.stage_ids, spec.order, depth, config.n_microbatches,
-                                         self.updaters, self.updates.apply_together, config.router_bias_update_rate,
+                                         self.updaters, self.updates, config.router_bias_update_rate,
                                          layout.dp_group)
 
     def train_step(self, rows, next_rows, previous, drains) -> StepOutcome:

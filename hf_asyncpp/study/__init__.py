@@ -23,7 +23,7 @@ from .processes import StudyStopped
 from .runner import check_arms, finished_record, run_arms
 from .tuning import per_mode_picks, sync_picks, tune, write_tuning
 
-__all__ = ["Arm", "Study", "StudyError", "StudyStopped", "load_study", "protocol_arms", "read_chosen", "read_per_mode",
+__all__ = ["Arm", "Study", "StudyError", "StudyStopped", "known_arms", "load_study", "protocol_arms", "read_chosen", "read_per_mode",
            "report", "run_study"]
 
 PROTOCOL_HEADINGS = {
@@ -45,6 +45,21 @@ def read_per_mode(study: Study, sync_chosen: dict) -> dict[tuple, float]:
     """Each delayed group's own pick among its finished candidates (none before the per_mode protocol's
     tuning has finished one); {} when the study does not run that protocol."""
     return per_mode_picks(study, sync_chosen).chosen() if "per_mode" in study.protocols else {}
+
+
+def known_arms(study: Study) -> list[Arm]:
+    """Every arm the study runs, as far as its finished arms tell now: each tuning's candidates (with the
+    extensions finished results have added) and each protocol's arms at the picks so far."""
+    sync = sync_picks(study)
+    chosen = {**study.first_learning_rates(), **sync.chosen()}
+    arms = [study.tuning_arm(g, lr) for g, lrs in sync.candidates.items() for lr in lrs]
+    per_mode = {}
+    if "per_mode" in study.protocols:
+        picks = per_mode_picks(study, chosen)
+        per_mode = picks.chosen()
+        arms += [study.tuning_arm(g, lr) for g, lrs in picks.candidates.items() for lr in lrs]
+    arms += [arm for protocol in study.protocols for arm in protocol_arms(study, protocol, chosen, per_mode)]
+    return list({arm.name: arm for arm in arms}.values())
 
 
 def protocol_arms(study: Study, protocol: str, sync_chosen: dict, per_mode: dict) -> list[Arm]:

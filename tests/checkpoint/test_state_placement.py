@@ -23,8 +23,9 @@ class _Read(Exception):
 
 
 def _engine(optimizer: str, ef: bool, stepped: bool):
-    """An engine as load_training_state sees it: one stage (a whole tiny model) and its updater; with
-    `stepped` its optimizer has taken one step (so it holds state to save)."""
+    """An engine as load_training_state sees it: its executor, of a synchronous run (no state of its own
+    beyond weights and optimizer): one stage (a whole tiny model) and its updater; with `stepped` its
+    optimizer has taken one step (so it holds state to save)."""
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.models import build_model
     from hf_asyncpp.updates import Updater
@@ -37,7 +38,9 @@ def _engine(optimizer: str, ef: bool, stepped: bool):
         for p in updater.params:
             p.grad = torch.randn_like(p)
         updater.stepper.step()
-    return types.SimpleNamespace(modules=[model], updaters=[updater], versioned=[], emulated=None, stage_ids=[0])
+    executor = types.SimpleNamespace(modules=[model], updaters=[updater], state=dict, masters=set,
+                                     state_to_load=lambda saved, destination: {}, restore=lambda loaded: None)
+    return types.SimpleNamespace(executor=executor)
 
 
 def _metadata(state: dict) -> dict:
