@@ -213,6 +213,32 @@ def test_the_cpu_study_model_has_the_size_its_readme_states_and_its_own_reproduc
     assert (tmp_path / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
 
 
+CPU_MODELS = ("moe_cpu_250k", "moe_cpu_1m", "moe_cpu_4m")
+CPU_STUDY_TOKENS = 1000 * 4096  # cpu_scale's and the budget studies' tokens per run
+
+
+def test_the_cpu_study_models_have_the_counts_their_readme_table_states_and_one_layout_family():
+    table = _table((MODELS / "README.md").read_text(), CPU_MODELS)
+    first = build_config(str(MODELS / "moe_cpu_1m" / "config.json"))
+    for name in CPU_MODELS:
+        model_config = build_config(str(MODELS / name / "config.json"))
+        total, _ = parameter_counts(model_config)  # a meta-device build: nothing is allocated
+        embeddings = 2 * model_config.vocab_size * model_config.hidden_size  # untied
+        assert total == int(table["parameters, total"][name].replace(",", ""))
+        assert total - embeddings == int(table["outside the embeddings"][name].replace(",", ""))
+        assert f"{CPU_STUDY_TOKENS / total:.3g}" == table["tokens per parameter at 4,096,000 tokens"][name]
+        # One family: the same architecture, routing and vocabulary (the budget studies read moe_cpu_1m's
+        # tokenizer), heads of one size in one grouping, experts twice the hidden size.
+        for key in ("model_type", "num_local_experts", "num_experts_per_tok", "vocab_size", "head_dim",
+                    "tie_word_embeddings", "router_aux_loss_coef", "max_position_embeddings"):
+            assert getattr(model_config, key) == getattr(first, key), (name, key)
+        assert model_config.num_attention_heads * model_config.head_dim == model_config.hidden_size
+        assert model_config.num_attention_heads == 2 * model_config.num_key_value_heads
+        assert model_config.moe_intermediate_size == 2 * model_config.hidden_size
+    counts = [parameter_counts(build_config(str(MODELS / name / "config.json")))[0] for name in CPU_MODELS]
+    assert counts[-1] / counts[0] >= 16  # the budgets, at one token count, span at least 16× in tokens per parameter
+
+
 COMMITTED_STUDIES = [p for p in STUDIES
                      if str(yaml.safe_load(p.read_text()).get("output_dir", "")).startswith("docs/results/")]
 
