@@ -31,6 +31,9 @@ commands:
   study STUDY.yaml [--report-only]           run (or continue) a study: optimizer × delay × EF × momentum ×
                                             depth × seed; writes results.md/.csv/.json and figures;
                                             says how many arms are left and about how long they take
+  study --budget-figure OUT_DIR STUDY.yaml STUDY.yaml [...]
+                                            the gap against tokens per parameter from studies of
+                                            different model sizes on the same data (their results.json)
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
   plan CONFIG [--key value ...] [--world-size N] [--gpu-memory-gib G] [--allowance-gib A] [--json FILE]
                                             each rank's peak device memory and its parts, played on
@@ -51,20 +54,29 @@ def _study(argv: list[str]) -> int:
     import argparse
 
     from .study import StudyError, StudyStopped, known_arms, load_study, report, run_study
+    from .study.budget import write_budget_figure
     from .study.runner import progress
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp study")
-    parser.add_argument("study")
+    parser.add_argument("study", nargs="+")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the table and figures and say how far the grid is, run nothing")
+    parser.add_argument("--budget-figure", metavar="OUT_DIR",
+                        help="draw the gap against tokens per parameter from the studies' results, run nothing")
     args = parser.parse_args(argv)
+    if args.budget_figure is None and len(args.study) > 1:
+        parser.error("one study at a time, or several with --budget-figure")
+    if args.budget_figure is not None and args.report_only:
+        parser.error("--budget-figure reads the studies' reports: write them first with --report-only")
     try:
-        if args.report_only:
-            study = load_study(args.study)
+        if args.budget_figure is not None:
+            paths = write_budget_figure(args.budget_figure, [load_study(path) for path in args.study])
+        elif args.report_only:
+            study = load_study(args.study[0])
             paths = report(study)
             print(f"{study.name}: {progress(study, known_arms(study))}", file=sys.stderr)
         else:
-            paths = run_study(args.study)
+            paths = run_study(args.study[0])
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

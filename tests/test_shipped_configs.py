@@ -149,7 +149,15 @@ def _study_with_stand_ins(path: Path, tmp_path):
 def test_every_arm_of_every_shipped_study_validates(path, tmp_path, monkeypatch):
     _validate_from_repo_root(monkeypatch)
     study = _study_with_stand_ins(path, tmp_path)
-    arms = study.tuning_arms() + study.arms({o: lrs[0] for o, lrs in study.learning_rates.items()})
+    # Every arm it may run before a tuning adds candidates: the sync tuning; each protocol's arms at the first
+    # candidates; under per_mode each delayed group's candidates, and its seeds at a pick other than the sync
+    # protocol's (the smallest factor).
+    first = study.first_learning_rates()
+    per_mode = {group: study.per_mode_candidates(study.learning_rate(first, group[0], group[3]))
+                for group in study.delayed_groups} if "per_mode" in study.protocols else {}
+    arms = [*study.tuning_arms(), *(study.arms(first) if "sync" in study.protocols else []),
+            *(study.tuning_arm(group, lr) for group, lrs in per_mode.items() for lr in lrs),
+            *(study.arms(first, {group: lrs[0] for group, lrs in per_mode.items()}) if per_mode else [])]
     check_arms(study, arms)  # as `hf-asyncpp study` does before any arm runs; pipeline arms at world size = depth
 
     # Scratch output under outputs/ (ignored by git), or a study whose finished arms are kept in the
@@ -160,15 +168,7 @@ def test_every_arm_of_every_shipped_study_validates(path, tmp_path, monkeypatch)
         assert study.parallel == 1
     # A header that counts the study's runs (its cost estimate rests on the count) counts them right: the
     # tuning arms of the chosen learning rate are the grid's own sync arms, so each distinct name runs once.
-    # Under per_mode the most before extensions: every group's candidates, and its seeds at a pick other than
-    # the sync protocol's.
     names = {arm.name for arm in arms}
-    if "per_mode" in study.protocols:
-        first = study.first_learning_rates()
-        per_mode = {group: study.per_mode_candidates(study.learning_rate(first, group[0], group[3]))
-                    for group in study.delayed_groups}
-        names |= {study.tuning_arm(group, lr).name for group, lrs in per_mode.items() for lr in lrs}
-        names |= {arm.name for arm in study.arms(first, {group: lrs[0] for group, lrs in per_mode.items()})}
     stated = re.search(r"^# Arms: (at most )?(\d+)", path.read_text(), re.MULTILINE)
     if stated:
         assert int(stated.group(2)) == len(names)
@@ -220,6 +220,32 @@ def test_the_cpu_study_model_has_the_size_its_readme_states_and_its_own_reproduc
     subprocess.run([sys.executable, "training_scripts/build_tokenizer.py", "--vocab-size", "2048", "--out",
                     str(tmp_path)], check=True, capture_output=True)
     assert (tmp_path / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+
+
+CPU_MODELS = ("moe_cpu_250k", "moe_cpu_1m", "moe_cpu_4m")
+CPU_STUDY_TOKENS = 1000 * 4096  # cpu_scale's and the budget studies' tokens per run
+
+
+def test_the_cpu_study_models_have_the_counts_their_readme_table_states_and_one_layout_family():
+    table = _table((MODELS / "README.md").read_text(), CPU_MODELS)
+    first = build_config(str(MODELS / "moe_cpu_1m" / "config.json"))
+    for name in CPU_MODELS:
+        model_config = build_config(str(MODELS / name / "config.json"))
+        total, _ = parameter_counts(model_config)  # a meta-device build: nothing is allocated
+        embeddings = 2 * model_config.vocab_size * model_config.hidden_size  # untied
+        assert total == int(table["parameters, total"][name].replace(",", ""))
+        assert total - embeddings == int(table["outside the embeddings"][name].replace(",", ""))
+        assert f"{CPU_STUDY_TOKENS / total:.3g}" == table["tokens per parameter at 4,096,000 tokens"][name]
+        # One family: the same architecture, routing and vocabulary (the budget studies read moe_cpu_1m's
+        # tokenizer), heads of one size in one grouping, experts twice the hidden size.
+        for key in ("model_type", "num_local_experts", "num_experts_per_tok", "vocab_size", "head_dim",
+                    "tie_word_embeddings", "router_aux_loss_coef", "max_position_embeddings"):
+            assert getattr(model_config, key) == getattr(first, key), (name, key)
+        assert model_config.num_attention_heads * model_config.head_dim == model_config.hidden_size
+        assert model_config.num_attention_heads == 2 * model_config.num_key_value_heads
+        assert model_config.moe_intermediate_size == 2 * model_config.hidden_size
+    counts = [parameter_counts(build_config(str(MODELS / name / "config.json")))[0] for name in CPU_MODELS]
+    assert counts[-1] / counts[0] >= 16  # the budgets, at one token count, span at least 16× in tokens per parameter
 
 
 COMMITTED_STUDIES = [p for p in STUDIES

@@ -6,7 +6,8 @@ for each momentum value, the one whose synchronous run (first seed) ends with th
 loss (tuning.json records the trials and picks); then every arm runs with the pick of its optimizer
 and momentum, delayed arms with the learning rate tuned for sync, unchanged.
 The grid format is in grid.py, how arms run in runner.py, the table in results.py, the reference
-study's claims held against it in claims.py, the figures in figures.py.
+study's claims held against it in claims.py, the figures in figures.py, and the gap against the training
+budget across several studies in budget.py.
 """
 
 from __future__ import annotations

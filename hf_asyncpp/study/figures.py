@@ -19,10 +19,11 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["depth_trends", "write_figures"]
+__all__ = ["depth_trends", "pyplot", "save_figure", "write_figures"]
 
 
-def _plt():
+def pyplot():
+    """pyplot on the Agg backend (files only, no display), imported when a figure is drawn, not with the package."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,7 +74,7 @@ def _loss_curves(plt, records, arms_dir: Path, colours: dict[str, str], out: Pat
                     color=colours[mode], linestyle="--" if ef else "-", linewidth=1.2)
         ax.set(title=f"{optimizer} (momentum {momentum0:g})", xlabel="step", ylabel="training loss (smoothed)")
         ax.legend(fontsize=7)
-    return _save(plt, fig, out / f"loss_curves{suffix}.png")
+    return save_figure(plt, fig, out / f"loss_curves{suffix}.png")
 
 
 def _gap_bars(plt, rows, colours: dict[str, str], out: Path, suffix: str) -> Path | None:
@@ -97,7 +98,7 @@ def _gap_bars(plt, rows, colours: dict[str, str], out: Path, suffix: str) -> Pat
         ax.set_xticks(range(len(bars)), [_label(mode, ef) for mode, ef in bars], rotation=55, ha="right", fontsize=7)
         ax.set(title=optimizer, ylabel="validation loss − sync")
     fig.suptitle(f"Gap to synchronous training (momentum {momentum0:g}; ± the seed spread)")
-    return _save(plt, fig, out / f"gap_bars{suffix}.png")
+    return save_figure(plt, fig, out / f"gap_bars{suffix}.png")
 
 
 def _gap_vs_momentum(plt, rows, main: str | None, out: Path, suffix: str) -> Path | None:
@@ -116,7 +117,7 @@ def _gap_vs_momentum(plt, rows, main: str | None, out: Path, suffix: str) -> Pat
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(xlabel="momentum", ylabel="validation loss − sync", title=f"Gap to synchronous training vs momentum ({main})")
     ax.legend(fontsize=7)
-    return _save(plt, fig, out / f"gap_vs_momentum{suffix}.png")
+    return save_figure(plt, fig, out / f"gap_vs_momentum{suffix}.png")
 
 
 def depth_trends(rows) -> dict[str, dict[tuple[str, float], list[tuple[int, float, float]]]]:
@@ -149,10 +150,11 @@ def _gap_vs_depth(plt, rows, out: Path, suffix: str) -> Path | None:
         ax.set(title=optimizer, xlabel="pipeline depth", ylabel="validation loss − sync")
         ax.legend(fontsize=7)
     fig.suptitle("Gap to synchronous training vs pipeline depth (EF off)")
-    return _save(plt, fig, out / f"gap_vs_depth{suffix}.png")
+    return save_figure(plt, fig, out / f"gap_vs_depth{suffix}.png")
 
 
-def _save(plt, fig, path: Path) -> Path:
+def save_figure(plt, fig, path: Path) -> Path:
+    """Write `fig` as a PNG at the study figures' resolution and free it."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -166,7 +168,7 @@ def write_figures(out_dir: Path, rows: list[dict], records: list[dict], main_mod
     files written."""
     if not records:
         return []
-    plt = _plt()
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     colours = _colours(r["mode"] for r in records)
     written = [_loss_curves(plt, records, out_dir / "arms", colours, out_dir, suffix),

@@ -34,7 +34,7 @@ from ..provenance import NUMERICS, machine, software_versions, source_commit
 from .grid import Arm, Study, StudyError
 from .processes import ArmProcesses, StudyStopped
 
-__all__ = ["arm_dir", "check_arms", "finished_record", "progress", "run_arms"]
+__all__ = ["arm_config", "arm_dir", "check_arms", "finished_record", "progress", "run_arms"]
 
 logger = get_logger(__name__)
 
@@ -59,7 +59,7 @@ def _cli(values: dict) -> list[str]:
     return args
 
 
-def _config(study: Study, arm: Arm):
+def arm_config(study: Study, arm: Arm):
     """The arm's TrainConfig, as its run reads it (ConfigError on a bad value)."""
     from ..config import load_config
 
@@ -75,7 +75,7 @@ def check_arms(study: Study, arms: list[Arm]) -> None:
 
     for arm in arms:
         try:
-            config = _config(study, arm)
+            config = arm_config(study, arm)
             if config.eval_fraction <= 0 and config.eval_dataset is None:
                 raise ConfigError("the study compares validation losses: set eval_fraction or eval_dataset in base")
             if study.launch == "emulator" and config.mixed_precision != "no" and torch.cuda.is_available():
@@ -126,7 +126,7 @@ def _settings(study: Study, arm: Arm) -> dict:
     comments and layout do not count; nor keys of other optimizers than its own, so that a SOAP setting
     in the study's base reruns the SOAP arms alone) and how it is launched. A finished arm whose
     settings differ (a value in the study file or base config was edited) is run again."""
-    return {"config": _read_by_its_optimizer(_config(study, arm)), "launch": study.launch}
+    return {"config": _read_by_its_optimizer(arm_config(study, arm)), "launch": study.launch}
 
 
 def _finished(directory: Path, settings: dict) -> dict | None:

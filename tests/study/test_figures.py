@@ -54,8 +54,8 @@ GRID = [("sync", 1, 0, 0.0, 3.0), *[("pipedream-2bw", d, 0, ef, 3.5 - ef / 4) fo
 
 def test_every_mode_has_its_own_colour_in_the_curves_and_bars_and_its_ef_arms_share_it(tmp_path, monkeypatch):
     drawn = {}
-    save = figures._save
-    monkeypatch.setattr(figures, "_save", lambda plt, fig, path: drawn.setdefault(path.name, fig) and save(plt, fig, path))
+    save = figures.save_figure
+    monkeypatch.setattr(figures, "save_figure", lambda plt, fig, path: drawn.setdefault(path.name, fig) and save(plt, fig, path))
     records = _arms(tmp_path, GRID, seeds=(0,), momenta=(0.9,))
     write_figures(tmp_path, results_rows(records), records, "pipedream-2bw@2")
 

@@ -81,11 +81,11 @@ def test_a_setting_of_another_optimizer_reruns_only_that_optimizers_arms(tmp_pat
     """soap_max_precond_dim added to a study's base: its SOAP arms run again, while an AdamW arm whose
     record holds the previous value (records once held every key) stays finished; new records leave out
     the keys only other optimizers read."""
-    from hf_asyncpp.study.runner import _config, _config_values
+    from hf_asyncpp.study.runner import _config_values, arm_config
 
     study = _study(tmp_path / "a")
     soap = Arm(**{**ARM.__dict__, "optimizer": "soap"})
-    every_key = {"config": _config_values(_config(study, ARM)), "launch": study.launch}
+    every_key = {"config": _config_values(arm_config(study, ARM)), "launch": study.launch}
     assert every_key["config"]["soap_max_precond_dim"] == 4096
     adamw_dir, soap_dir = _record(study, ARM, every_key), _record(study, soap)
     edited = _study(tmp_path / "b", BASE_TEXT + "\nsoap_max_precond_dim: 1024\n")
@@ -147,9 +147,9 @@ def test_checkpointing_the_arms_keeps_the_finished_ones_finished(tmp_path):
     raw = json.loads((tmp_path / "a" / "study.yaml").read_text())
     (tmp_path / "a" / "checkpointed.yaml").write_text(json.dumps({**raw, "checkpoint_steps": 50}))
     checkpointed = load_study(tmp_path / "a" / "checkpointed.yaml")
-    from hf_asyncpp.study.runner import _config
+    from hf_asyncpp.study.runner import arm_config
 
-    assert _config(checkpointed, ARM).save_steps == 50 and _config(checkpointed, ARM).resume_from_checkpoint == "latest"
+    assert arm_config(checkpointed, ARM).save_steps == 50 and arm_config(checkpointed, ARM).resume_from_checkpoint == "latest"
     assert _finished(directory, _settings(checkpointed, ARM))
 
 
