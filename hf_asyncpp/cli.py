@@ -50,46 +50,6 @@ commands:
 """
 
 
-def _study(argv: list[str]) -> int:
-    import argparse
-
-    from .study import StudyError, StudyStopped, known_arms, load_study, report, run_study
-    from .study.budget import write_budget_figure
-    from .study.runner import progress
-
-    parser = argparse.ArgumentParser(prog="hf-asyncpp study")
-    parser.add_argument("study", nargs="+")
-    parser.add_argument("--report-only", action="store_true",
-                        help="rewrite the table and figures and say how far the grid is, run nothing")
-    parser.add_argument("--budget-figure", metavar="OUT_DIR",
-                        help="draw the gap against tokens per parameter from the studies' results, run nothing")
-    args = parser.parse_args(argv)
-    if args.budget_figure is None and len(args.study) > 1:
-        parser.error("one study at a time, or several with --budget-figure")
-    if args.budget_figure is not None and args.report_only:
-        parser.error("--budget-figure reads the studies' reports: write them first with --report-only")
-    try:
-        if args.budget_figure is not None:
-            paths = write_budget_figure(args.budget_figure, [load_study(path) for path in args.study])
-        elif args.report_only:
-            study = load_study(args.study[0])
-            paths = report(study)
-            print(f"{study.name}: {progress(study, known_arms(study))}", file=sys.stderr)
-        else:
-            paths = run_study(args.study[0])
-    except StudyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except StudyStopped as stopped:
-        # As a run stopped by SIGTERM after its checkpoint: a clean end, not a failure.
-        print(f"study stopped ({stopped}): run the same command to continue; finished arms are kept and "
-              "stopped ones resume from their checkpoints", file=sys.stderr)
-        return 0
-    for path in paths:
-        print(path)
-    return 0
-
-
 def _push(argv: list[str]) -> int:
     import argparse
 
@@ -265,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         return _push(rest)
     if command == "export":
         return _export(rest)
-    if command == "study":
-        return _study(rest)
+    if command == "study":  # a front end of its own: the training core never imports the study tooling
+        from .study.cli import main as study_main
+
+        return study_main(rest)
     if command == "plot":
         return _plot(rest)
     if command == "prepare-data":
