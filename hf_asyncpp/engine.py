@@ -34,8 +34,7 @@ from .optim.error_feedback import ErrorFeedback
 from .parallel.fsdp import compute_dtype, fully_shard_stage, reduce_dtype, shard_parameters, unshard_parameters
 from .parallel.mesh import ParallelLayout, broadcast_from_first_replica, start_communicators
 from .resilience import NonFiniteGuard, TerminationRequest
-from .schedules import ScheduleError, build_schedule, get_schedule_spec
-from .schedules.async_order import replay_after
+from .schedules import build_schedule, get_schedule_spec
 from .schedules.runtime import build_eval_schedule
 from .schedules.async_runtime import AsyncPipelineSchedule
 from .schedules.weight_versions import VersionedStage
@@ -357,16 +356,8 @@ class PipelineEngine:
     @property
     def evaluates_mid_run(self) -> bool:
         """Whether weights between two steps can be evaluated: every stage has applied the same
-        minibatches there (not so for orders whose updates straddle step boundaries: WPipe)."""
-        return not self.versioned or self._units_end_at_step_boundaries()
-
-    def _units_end_at_step_boundaries(self) -> bool:
-        try:
-            after = self.config.sync_steps  # the first asynchronous step's boundary
-            replay_after(self.spec.order, self.layout.pp_size, self.config.n_microbatches, after, after + 2)
-            return True
-        except ScheduleError:
-            return False
+        minibatches there (ScheduleSpec.step_boundary; not so for WPipe on a pipeline)."""
+        return self.spec.step_boundary(self.layout.pp_size, self.config.n_microbatches).clean
 
     def _eval_through(self, schedule, loss_fn: PipelineLoss, rows: torch.Tensor, return_logits: bool):
         for module in self.modules:
