@@ -41,20 +41,16 @@ def fit_to_one_process(config: TrainConfig) -> None:
     config.pp_size = 1
 
 
-def check_step_boundaries(spec, config: TrainConfig, purpose: str) -> None:
+def check_step_boundaries(config: TrainConfig, purpose: str) -> None:
     """Training checkpoints (resumed by replaying the actions whose updates were still due,
-    schedules/async_order.py: replay_after) and mid-run evaluation need every update unit applied on
-    all stages or on none at a step boundary; WPipe's straddle it. The single-process emulator holds
-    nothing in flight between steps (its kept weight versions are saved), so every schedule it runs can."""
-    from .schedules import ScheduleError
-    from .schedules.async_order import replay_after
+    schedules/async_order.py: replay_after) and mid-run evaluation need a schedule that can stop
+    between two steps (ScheduleSpec.step_boundary): WPipe's updates straddle them on a pipeline."""
+    from .schedules import get_schedule_spec
 
-    if spec.synchronous or config.pp_size == 1:
-        return
-    try:  # the boundary after the first asynchronous step (a sync start's steps hold nothing in flight)
-        replay_after(spec.order, config.pp_size, config.n_microbatches, config.sync_steps, config.sync_steps + 2)
-    except ScheduleError as err:
-        raise ConfigError(f"{purpose} are not supported for schedule '{spec.name}': {err}") from None
+    spec = get_schedule_spec(config.schedule).starting_synchronously(config.sync_steps)
+    boundary = spec.step_boundary(config.pp_size, config.n_microbatches)
+    if not boundary.clean:
+        raise ConfigError(f"{purpose} are not supported for schedule '{spec.name}': {boundary.reason}")
 
 
 def _check_lr_schedule(config: TrainConfig) -> None:
@@ -205,9 +201,9 @@ def check_settings(config: TrainConfig, world_size: int):
              f"sync_steps ({config.sync_steps}) must be below max_steps ({config.max_steps}): the run would "
              "never switch to its asynchronous schedule")
     if config.save_steps or config.resume_from_checkpoint:
-        check_step_boundaries(spec, config, "training checkpoints")
+        check_step_boundaries(config, "training checkpoints")
     if config.eval_steps:
-        check_step_boundaries(spec, config, "evaluations during training (eval_steps; the final one works)")
+        check_step_boundaries(config, "evaluations during training (eval_steps; the final one works)")
     _require(
         world_size % config.pp_size == 0,
         f"world size {world_size} is not divisible by pp_size {config.pp_size}; "

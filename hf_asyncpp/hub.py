@@ -1,6 +1,7 @@
 """The model card of an export, and its upload to the Hub.
 
-`render_model_card` fills `assets/model_card.md` (a Jinja template shipped in the package) through
+`render_model_card` fills `model_cards/template.md` (a Jinja template at the top of the repository,
+shipped in the package: `TEMPLATE`; model_cards/README.md says how to edit it) through
 huggingface_hub's `ModelCard.from_template`, with `ModelCardData` for the YAML metadata the Hub reads
 (license and language from the config, library, tags, base_model, datasets, model-index eval
 results). Template variables: `architecture`, `training`, `data`, `origin`, `versions`,
@@ -27,7 +28,11 @@ from .provenance import software_versions
 __all__ = ["checkpoint_model_card", "eval_results", "model_card_facts", "parameter_counts", "push_to_hub",
            "render_model_card", "run_model_card"]
 
-TEMPLATE = Path(__file__).resolve().parent / "assets" / "model_card.md"
+# model_cards/ lives at the top of the repository; setup.py ships it inside the package, so an
+# installed wheel has it there, and a checkout (or an editable install of one) beside the package.
+_PACKAGE = Path(__file__).resolve().parent
+_SHIPPED = _PACKAGE / "model_cards" / "template.md"
+TEMPLATE = _SHIPPED if _SHIPPED.is_file() else _PACKAGE.parent / "model_cards" / "template.md"
 
 
 def _count(n: int) -> str:

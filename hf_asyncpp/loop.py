@@ -214,14 +214,9 @@ class TrainingLoop:
         return self.last_record
 
     def _termination_handled(self):
-        """SIGTERM handled at a step boundary where the run can be checkpointed; otherwise (WPipe, an
-        emulated asynchronous schedule) the signal keeps its default effect."""
-        from .config import ConfigError
-        from .config_checks import check_step_boundaries
-
-        try:
-            check_step_boundaries(self.engine.spec, self.config, "training checkpoints")
-        except ConfigError:
+        """SIGTERM handled at a step boundary where the run can be checkpointed; otherwise (WPipe on
+        a pipeline: ScheduleSpec.step_boundary) the signal keeps its default effect."""
+        if not self.engine.spec.step_boundary(self.config.pp_size, self.config.n_microbatches).clean:
             return contextlib.nullcontext()
         return self.engine.termination.installed()
 

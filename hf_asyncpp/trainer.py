@@ -27,7 +27,6 @@ and dp ranks (updates.py), or each asynchronous stage's own with the pipeline co
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import math
 import os
 import sys
@@ -256,7 +255,6 @@ class AsyncPPTrainer(Trainer):
     def _config_for(args, model_config, train_dataset, eval_dataset, tokenizer):
         """The TrainConfig of this run, checked against the model and the tokenizer (ConfigError)."""
         from .models import UnsupportedModelError, family_for
-        from .schedules import get_schedule_spec
 
         rows_length = _rows_length(train_dataset)
         if rows_length is None and tokenizer is None:
@@ -274,12 +272,11 @@ class AsyncPPTrainer(Trainer):
             raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                               f"{model_config.vocab_size}")
         check_model_fits(config, model_config)
-        spec = get_schedule_spec(config.schedule)
         if args.save_strategy != "no":
-            check_step_boundaries(spec, dataclasses.replace(config, save_steps=1), "training checkpoints")
+            check_step_boundaries(config, "training checkpoints")
         if args.eval_strategy != "no" or args.eval_on_start:
-            check_step_boundaries(spec, config, f"evaluations during training (eval_strategy '{args.eval_strategy.value}'"
-                                                f"{', eval_on_start' if args.eval_on_start else ''}; the final one works)")
+            check_step_boundaries(config, f"evaluations during training (eval_strategy '{args.eval_strategy.value}'"
+                                          f"{', eval_on_start' if args.eval_on_start else ''}; the final one works)")
         return config
 
     def _prepare_data(self, args, config, model, train_dataset, eval_dataset, tokenizer):

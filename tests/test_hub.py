@@ -1,6 +1,6 @@
 """Model card and Hub upload.
 
-The card is rendered from the package's assets/model_card.md through huggingface_hub's ModelCard;
+The card is rendered from model_cards/template.md through huggingface_hub's ModelCard;
 its YAML metadata must parse and carry the model-index, the license and language the config names,
 and base_model when the run started from a Hub model. `hf-asyncpp push` runs the real huggingface_hub client
 in a subprocess against a loopback server (HF_ENDPOINT) that plays the Hub: the server must receive

@@ -28,19 +28,6 @@ from .stage_update import StageUpdate
 __all__ = ["AsynchronousPipeline"]
 
 
-def _units_end_at_step_boundaries(spec, pp_size: int, m: int, after: int) -> bool:
-    """Whether every stage has applied the same minibatches between two steps (from the first asynchronous
-    step's boundary `after`): not so for orders whose updates straddle step boundaries (WPipe)."""
-    from ..schedules import ScheduleError
-    from ..schedules.async_order import replay_after
-
-    try:
-        replay_after(spec.order, pp_size, m, after, after + 2)
-        return True
-    except ScheduleError:
-        return False
-
-
 class AsynchronousPipeline(PipelineExecutor):
     forwards_ahead = True
     layout_bound = True  # microbatches in flight, replayed by the order on resume
@@ -70,7 +57,8 @@ class AsynchronousPipeline(PipelineExecutor):
                 module.routing_load.count_only_microbatches_of(stage)
         self._eval_schedule = None  # a forward-only program, built at the first evaluation
         self.review_lag = 2 if self.updates.holds_for_global_norm else 1
-        self.evaluates_mid_run = _units_end_at_step_boundaries(spec, layout.pp_size, m, config.sync_steps)
+        # Every stage has applied the same minibatches between two steps (not so for WPipe on a pipeline).
+        self.evaluates_mid_run = spec.step_boundary(layout.pp_size, m).clean
 
     def _shard(self, module, dp_mesh) -> None:
         shard_parameters(module, dp_mesh)  # one gathered copy per version: not fully_shard (module docstring)

@@ -14,18 +14,35 @@ validation plays for every rank (validate.check_program), together with `check_v
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 
 from .comm_plan import CommPlanner, P2PBatch
 from .validate import ScheduleError
 
-__all__ = ["AsyncOrder", "GlobalClipping", "SegmentPrograms", "check_versions", "held_spans", "norm_reads",
-           "replay_after", "statistics_read"]
+__all__ = ["AsyncOrder", "GlobalClipping", "SegmentPrograms", "StepBoundary", "check_versions", "held_spans",
+           "norm_reads", "replay_after", "statistics_read"]
+
+
+@dataclass(frozen=True)
+class StepBoundary:
+    """Whether a run can stop (a checkpoint, SIGTERM), be evaluated, or resume by replay between two
+    steps: only when every update unit begun is applied there on all stages or on none. A unit
+    applied on some stages only (`straddling_units`, e.g. WPipe's) would have evaluated weights mix two
+    minibatches' updates, and a replay apply part of its gradient twice; `reason` says so."""
+    straddling_units: tuple[int, ...] = ()
+    reason: str = ""
+
+    @property
+    def clean(self) -> bool:
+        return not self.straddling_units
 
 
 class AsyncOrder:
     name: str
     per_microbatch_updates: bool = False  # True: a stage updates after each backward, else once per step
+    sync_steps: int = 0  # the first steps, run synchronously (a sync start, schedules/sync_start.py)
 
     def segment(self, rank: int, pp_size: int, n_microbatches: int, step: int, n_steps: int) -> list[_Action]:
         """Rank `rank`'s actions (all its stages) between step `step`'s start and the next step's."""
@@ -44,8 +61,8 @@ class AsyncOrder:
         return 0
 
     def synchronous_step(self, step: int) -> bool:
-        """Whether step `step` runs synchronously (a sync start's first steps, schedules/sync_start.py)."""
-        return False
+        """Whether step `step` runs synchronously (a sync start's first steps)."""
+        return step < self.sync_steps
 
     def n_buffers(self, stage: int, pp_size: int, n_microbatches: int) -> int:
         """Weight version buffers the stage keeps (the versions in-flight microbatches still need)."""
@@ -76,6 +93,11 @@ class AsyncOrder:
         so from a repeated state on, every step repeats) and 4 (a drain: an early stop's last step is
         that of a run of its length); resumed after steps 1 and 2 (a replay)."""
         return self, 5, [2, 3]
+
+    def boundary_after(self, pp_size: int, n_microbatches: int, step: int) -> StepBoundary:
+        """Whether a run that goes on past step `step` can stop or resume between it and the next."""
+        played = _played_through(self, pp_size, n_microbatches, step, step + 2)
+        return _units_applied(self, played, n_microbatches, step)[1]
 
     def cache_key(self) -> tuple:
         """What identifies the order's plays (for `held_spans`'s cache)."""
@@ -213,10 +235,9 @@ def held_spans(order: AsyncOrder, pp_size: int, n_microbatches: int) -> dict[str
         for start in [0, *resumes]:
             replay = None
             if start:
-                try:
-                    replay = replay_after(played, pp_size, n_microbatches, start - 1, n_steps)
-                except ScheduleError:  # an order that cannot resume (WPipe) never replays
-                    continue
+                if not played.boundary_after(pp_size, n_microbatches, start - 1).clean:
+                    continue  # an order that cannot resume there (WPipe) never replays
+                replay = replay_after(played, pp_size, n_microbatches, start - 1, n_steps)
             plan = SegmentPrograms(played, pp_size, n_microbatches, n_steps, start_step=start, replay=replay,
                                    keep=[], n_slots=None, **_placement(played, pp_size, n_microbatches))
             for k in range(start, n_steps):
@@ -241,23 +262,39 @@ def replay_after(order: AsyncOrder, pp_size: int, n_microbatches: int, step: int
     functions of the saved weight versions and the data, so the resumed run continues the same
     trajectory without saving activations or messages.
 
-    Raises ScheduleError when a unit is updated on some stages before the boundary and on others
-    after it (e.g. WPipe): replaying it would apply part of its gradient twice."""
+    Raises ScheduleError when the run cannot resume there (`AsyncOrder.boundary_after`, e.g. WPipe):
+    replaying a unit applied on some stages would apply part of its gradient twice."""
     m = n_microbatches
-    before = {r: [a for k in range(step + 1) for a in order.segment(r, pp_size, m, k, n_steps)] for r in range(pp_size)}
-    stages = {a.stage_index for ops in before.values() for a in ops}
+    before = _played_through(order, pp_size, m, step, n_steps)
+    finished, boundary = _units_applied(order, before, m, step)
+    if not boundary.clean:
+        raise ScheduleError(boundary.reason)
+    return {r: [a for a in ops if order.unit(a.microbatch_index, m) not in finished] for r, ops in before.items()}
 
-    updated = {(a.stage_index, order.unit(a.microbatch_index, m)) for ops in before.values() for a in ops
+
+def _played_through(order: AsyncOrder, pp_size: int, n_microbatches: int, step: int,
+                    n_steps: int) -> dict[int, list[_Action]]:
+    """Per rank, its actions of steps 0..step in a run of n_steps steps."""
+    return {r: [a for k in range(step + 1) for a in order.segment(r, pp_size, n_microbatches, k, n_steps)]
+            for r in range(pp_size)}
+
+
+def _units_applied(order: AsyncOrder, played: dict[int, list[_Action]], n_microbatches: int,
+                   step: int) -> tuple[set[int], StepBoundary]:
+    """After `played` (`_played_through` step `step`): the update units every stage has applied, and
+    the boundary there, with the units begun that some stages have applied and others not."""
+    m = n_microbatches
+    stages = {a.stage_index for ops in played.values() for a in ops}
+    updated = {(a.stage_index, order.unit(a.microbatch_index, m)) for ops in played.values() for a in ops
                if order.updates_after(a, m)}
-    started = {order.unit(a.microbatch_index, m) for ops in before.values() for a in ops}
+    started = {order.unit(a.microbatch_index, m) for ops in played.values() for a in ops}
     finished = {u for u in started if all((s, u) in updated for s in stages)}
     straddling = sorted({u for _, u in updated} - finished)
-    if straddling:
-        raise ScheduleError(
-            f"{order.name}: after step {step}, update unit(s) {straddling} are applied on some stages but not on "
-            "others; a run cannot resume at this step boundary by replay"
-        )
-    return {r: [a for a in ops if order.unit(a.microbatch_index, m) not in finished] for r, ops in before.items()}
+    if not straddling:
+        return finished, StepBoundary()
+    return finished, StepBoundary(tuple(straddling), (
+        f"{order.name}: after step {step}, update unit(s) {straddling} are applied on some stages but not on "
+        "others; a run cannot resume at this step boundary by replay"))
 
 
 class SegmentPrograms:

@@ -20,7 +20,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
-from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, check_versions
+from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, StepBoundary, check_versions
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW
 from .sync_start import SyncStart
 from .comm_plan import plan_program
@@ -63,6 +63,17 @@ class ScheduleSpec:
 
     def n_stages(self, pp_size: int) -> int:
         return pp_size * self.stages_per_rank
+
+    def step_boundary(self, pp_size: int, n_microbatches: int) -> StepBoundary:
+        """Whether a run of this schedule on pp_size ranks can stop (a checkpoint, SIGTERM), be
+        evaluated, or resume by replay between two steps. Always for a synchronous schedule (it
+        flushes every step) and for the single-process emulator (pp_size 1: it holds nothing in
+        flight between steps, and its kept weight versions are saved). An asynchronous order is
+        answered at the boundary after its first asynchronous step (a sync start's steps flush): the
+        ones after it hold the same units in flight, a step later (tests/schedules/test_boundaries.py)."""
+        if self.order is None or pp_size == 1:
+            return StepBoundary()
+        return self.order.boundary_after(pp_size, n_microbatches, self.order.sync_steps)
 
     def stage_indices(self, pp_size: int, rank: int) -> list[int]:
         if self.placement == "v":

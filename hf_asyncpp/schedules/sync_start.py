@@ -25,9 +25,6 @@ class SyncStart(AsyncOrder):
         self.order, self.sync_steps = order, sync_steps
         self.name, self.per_microbatch_updates = order.name, order.per_microbatch_updates
 
-    def synchronous_step(self, step: int) -> bool:
-        return step < self.sync_steps
-
     def _shift(self, n_microbatches: int) -> int:
         return self.sync_steps * n_microbatches  # microbatches before the switch
 
