@@ -15,7 +15,6 @@ import contextlib
 import time
 
 import torch
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -38,6 +37,7 @@ from .schedules import ScheduleError, build_schedule, get_schedule_spec
 from .schedules.async_order import replay_after
 from .schedules.runtime import build_eval_schedule
 from .schedules.async_runtime import AsyncPipelineSchedule
+from .schedules.stage_hooks import HookedStage
 from .schedules.weight_versions import VersionedStage
 from .updates import Updater, Updates
 
@@ -155,9 +155,10 @@ class PipelineEngine:
         self.step_count = 0
         self.last_step = config.max_steps  # the run's final step count (stop_after may bring it forward)
 
-    def _pipeline_stages(self, group) -> list[PipelineStage]:
-        """torch's PipelineStage of each local stage on `group`, told its inputs and outputs."""
-        return [PipelineStage(submod, s, len(self.plan), self.layout.device, *self._stage_io[s], group=group)
+    def _pipeline_stages(self, group) -> list[HookedStage]:
+        """torch's PipelineStage of each local stage on `group`, told its inputs and outputs; what runs
+        around its compute subscribes to its hooks (schedules/stage_hooks.py)."""
+        return [HookedStage(submod, s, len(self.plan), self.layout.device, *self._stage_io[s], group=group)
                 for submod, s in zip(self.versioned or self.modules, self.stage_ids)]
 
     # --- the step -------------------------------------------------------------------------------
