@@ -4,6 +4,7 @@ metrics.jsonl writer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -12,8 +13,6 @@ from pathlib import Path
 
 __all__ = ["ComputeTimer", "MetricsWriter", "ReducedStepStats", "StepResult", "idle_fraction", "numeric_scalars",
            "theoretical_bubble"]
-
-_COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 class ComputeTimer:
@@ -28,38 +27,40 @@ class ComputeTimer:
     """
 
     def __init__(self, stages, device=None):
+        """Times every compute call of `stages` (schedules/stage_hooks.py: its "compute_time" hook)."""
         self.busy_s = 0.0
         self._on_gpu = device is not None and device.type == "cuda"
         self._events: list = []  # (start, end) per compute call since the last take, on a GPU
         for stage in stages:
-            for name in _COMPUTE_METHODS:
-                if hasattr(stage, name):
-                    setattr(stage, name, self.timed(getattr(stage, name)))
+            stage.subscribe("compute_time", lambda call: self.measuring())
 
-    def timed(self, method):
-        """`method`, with its time added to busy time."""
+    @contextlib.contextmanager
+    def measuring(self):
+        """Adds the time of what runs inside to busy time."""
         if self._on_gpu:
             import torch
 
-            def timed_on_gpu(*args, **kwargs):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    end.record()
-                    self._events.append((start, end))
-
-            return timed_on_gpu
-
-        def timed(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()  # read at take: no wait for the device per call
+                self._events.append((start, end))
+        else:
             start = time.perf_counter()
             try:
-                return method(*args, **kwargs)
+                yield
             finally:
                 self.busy_s += time.perf_counter() - start
 
-        return timed
+    def timed(self, function):
+        """`function`, with its time added to busy time."""
+        def timed_call(*args, **kwargs):
+            with self.measuring():
+                return function(*args, **kwargs)
+
+        return timed_call
 
     def take(self) -> float:
         if self._events:

@@ -2,7 +2,8 @@
 
 On 2 gloo ranks (pp 2), every host read of a tensor made inside `train_step` is recorded with its call
 site (tests/host_reads.py), over steps that are neither the first (torch's stage infers shapes) nor
-the drain. The budget: no read inside a microbatch's forward, backward or loss; per step and rank, one
+the drain. The budget: no read inside a microbatch's forward, backward or loss (an update a forward
+waits for before its compute is budgeted per update, below); per step and rank, one
 read under a synchronous schedule (its gradient norm, with the previous step's reduced statistics in
 the same transfer); under an asynchronous one, one per update applied — the host decides there
 whether a non-finite update is skipped — and nothing more: one of them carries the previous step's
@@ -23,11 +24,15 @@ STEADY = range(1, STEPS - 1)
 # Functions a microbatch runs in: a read under one of them happens m times a step.
 MICROBATCH_FRAMES = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "PipelineLoss.__call__",
                      "PipelineStageModule.forward")
+# Except under the wait for an update, which a forward's weight_version hook (schedules/stage_hooks.py)
+# makes before the forward's compute, once per update: what it reads is budgeted per update.
+UPDATE_AWAITED = "AsyncPipelineSchedule._await_for"
 
 
 def _in_microbatch(stack) -> bool:
-    """Whether a read's callers, up to train_step, include a microbatch's compute."""
+    """Whether a read's callers, up to train_step or an awaited update, include a microbatch's compute."""
     inside = stack[:stack.index("PipelineEngine.train_step")] if "PipelineEngine.train_step" in stack else stack
+    inside = inside[:inside.index(UPDATE_AWAITED)] if UPDATE_AWAITED in inside else inside
     return any(frame.endswith(MICROBATCH_FRAMES) for frame in inside)
 
 

@@ -4,10 +4,9 @@ and an evaluation through a forward-only program."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.pipelining import PipelineStage
-
 from ..metrics import ComputeTimer
 from ..models.stage_io import stage_io
+from ..schedules.stage_hooks import HookedStage
 from .base import Executor
 
 __all__ = ["PipelineExecutor"]
@@ -25,8 +24,10 @@ class PipelineExecutor(Executor):
         self.stages = self._pipeline_stages(self.layout.pp_group)
         self.timer = ComputeTimer(self.stages, self.layout.device)
 
-    def _pipeline_stages(self, group) -> list[PipelineStage]:
-        return [PipelineStage(submod, s, len(self.plan), self.layout.device, *self._stage_io[s], group=group)
+    def _pipeline_stages(self, group) -> list[HookedStage]:
+        """torch's PipelineStage of each local stage on `group`, told its inputs and outputs; what runs
+        around its compute subscribes to its hooks (schedules/stage_hooks.py)."""
+        return [HookedStage(submod, s, len(self.plan), self.layout.device, *self._stage_io[s], group=group)
                 for submod, s in zip(self._stage_modules, self.stage_ids)]
 
     def _evaluate_through(self, schedule, loss_fn, rows: torch.Tensor, return_logits: bool):
@@ -41,5 +42,5 @@ class PipelineExecutor(Executor):
         logits = output[0] if isinstance(output, tuple) else output
         return loss_fn.take(self.config.n_microbatches), logits
 
-    def torch_stages(self) -> list[PipelineStage]:
+    def torch_stages(self) -> list[HookedStage]:
         return self.stages

@@ -19,11 +19,13 @@ When the bias moves follows the weights' update rule (the bias is a persistent b
     weight version it is bound to. A stage's microbatches are forwarded in the order of their ids, so
     the pipeline takes the oldest n_microbatches recorded calls (`take_oldest`) when minibatch k's
     update is due, while forwards of minibatch k + 1 are already recorded behind them. Only the
-    forwards the training stage runs for microbatches count (`count_only_microbatches_of`): torch's
-    shape inference and evaluation also run the stage's forward.
+    forwards the training stage runs for microbatches count (`count_only_microbatches_of`, a hook
+    of the stage): evaluation runs the same module through stages of its own.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -72,22 +74,21 @@ class RoutingLoadCounter:
         self._calls[id(router)].append(counts.index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64)))
 
     def count_only_microbatches_of(self, stage) -> None:
-        """From now on count only the forwards torch's PipelineStage `stage` (whose submodule holds
-        these routers) runs for microbatches (`forward_one_chunk`): not its shape inference, nor
-        forwards through other stages over the same module (evaluation)."""
+        """From now on count only the forwards the pipeline stage `stage` (a schedules/stage_hooks.py
+        `HookedStage` whose submodule holds these routers) runs for microbatches, through its
+        "routing_loads" hook: not forwards through other stages over the same module (evaluation)."""
         if not self.routers:
             return
         self._only_microbatches = True
-        forward = stage.forward_one_chunk
+        stage.subscribe("routing_loads", self._counting_microbatch)
 
-        def counted_forward(*args, **kwargs):
-            self._in_microbatch = True
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self._in_microbatch = False
-
-        stage.forward_one_chunk = counted_forward
+    @contextlib.contextmanager
+    def _counting_microbatch(self, call):
+        self._in_microbatch = True
+        try:
+            yield
+        finally:
+            self._in_microbatch = False
 
     def reset(self) -> None:
         for calls in self._calls.values():

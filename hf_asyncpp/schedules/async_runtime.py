@@ -12,8 +12,9 @@ microbatches forwarded in step k are backwarded in step k + 1:
     microbatches in one step, one after another: each forward takes the next microbatch of its
     slot in program order, and its rows (first stage) and labels (last stage) by that id;
   - losses are kept per slot (torch's list would be cleared at the end of every call);
-  - before each forward the stage's `VersionedStage` is bound to the version buffer the order
-    assigns to that microbatch; autograd keeps the binding for the backward;
+  - before each forward (the stage's "weight_version" hook, stage_hooks.py) the stage's
+    `VersionedStage` is bound to the version buffer the order assigns to that microbatch; autograd
+    keeps the binding for the backward;
   - a stage's update is the program's REDUCE_GRAD action, run after the batch that sends the
     backward's gradient on; clipping by the global norm may hold it (updates.py), and the runtime
     asks for it where `GlobalClipping` says it is needed: before the stage's first forward on the
@@ -28,17 +29,18 @@ microbatches forwarded in step k are backwarded in step k + 1:
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 
 import torch
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 
 from .async_order import GlobalClipping, SegmentPrograms, norm_reads, replay_after, statistics_read
 from .comm_plan import is_compute
 from .registry import ScheduleSpec
 from .runtime import ProgramRuntime
+from .stage_hooks import ComputeCall, HookedStage
 from .weight_versions import VersionedStage
 
 __all__ = ["AsyncPipelineSchedule", "SENDS_KEPT_FOR_STEPS"]
@@ -49,7 +51,7 @@ SENDS_KEPT_FOR_STEPS = 2
 
 
 class AsyncPipelineSchedule(ProgramRuntime):
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, spec: ScheduleSpec,
+    def __init__(self, stages: list[HookedStage], n_microbatches: int, loss_fn: Callable, spec: ScheduleSpec,
                  n_steps: int, stage_updates: dict, links: dict | None = None, updates_held: bool = False):
         """`stage_updates`: per local stage index, what updates it (executors/stage_update.StageUpdate):
         `gradient_ready(unit, version, grad_scale, carry)` when the stage's update is due — after the
@@ -58,7 +60,8 @@ class AsyncPipelineSchedule(ProgramRuntime):
         was taken at — and `complete(through_unit, carry)` when its updates up to `through_unit` must have
         been applied (returns whether it applied one). `carry`: the previous step's statistics, given to
         the one norm read of a step that `statistics_read` names. `spec`: an asynchronous schedule (its
-        order and placement). `updates_held`: updates wait for the global norm (updates.py)."""
+        order and placement). `updates_held`: updates wait for the global norm (updates.py). `stages`: each
+        forward is bound to its version by the stage's "weight_version" hook (stage_hooks.py)."""
         order, self.pp_size = spec.order, stages[0].group_size
         self.n_slots = order.n_slots(self.pp_size, n_microbatches)
         super().__init__(stages, self.n_slots, loss_fn, scale_grads=False, links=links)
@@ -66,7 +69,7 @@ class AsyncPipelineSchedule(ProgramRuntime):
         self.stage_index_to_group_rank = spec.stage_ranks(self.pp_size)
         for stage in self._stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-            stage.forward_one_chunk = self._bound_forward(stage, stage.forward_one_chunk)
+            stage.subscribe("weight_version", self._on_its_version)
         self.register_custom_function(REDUCE_GRAD, self._apply_due_update)
         self.stage_updates = stage_updates
         self.clipping = GlobalClipping(order, self.pp_size, n_microbatches)
@@ -93,25 +96,25 @@ class AsyncPipelineSchedule(ProgramRuntime):
     def n_steps(self, n_steps: int) -> None:
         self._programs.n_steps = n_steps
 
-    # --- torch hooks --------------------------------------------------------------------------
+    # --- hooks: the stages' (stage_hooks.py) and torch's runtime's -----------------------------
 
     def _version_of(self, stage_index: int, j: int) -> int:
         return self.order.version(stage_index, self.pp_size, j, self.m)
 
-    def _bound_forward(self, stage: PipelineStage, forward):
+    @contextlib.contextmanager
+    def _on_its_version(self, call: ComputeCall):
+        """Each stage's "weight_version" hook (stage_hooks.HOOKS): the forward runs the next
+        microbatch of its slot, after the updates it awaits, on the weight version the order assigns it."""
+        stage = call.stage
+        j = self._forwarding = self._slot_forwards[(stage.stage_index, call.chunk_id)].popleft()
+        action = _Action(stage.stage_index, FORWARD, j)
+        self._await_for(action, self._carried_by(action))
         versioned: VersionedStage = stage.submod
-
-        def forward_on_version(chunk_id, args, *rest, **kwargs):
-            j = self._forwarding = self._slot_forwards[(stage.stage_index, chunk_id)].popleft()
-            action = _Action(stage.stage_index, FORWARD, j)
-            self._await_for(action, self._carried_by(action))
-            version = self._version_of(stage.stage_index, j)
-            versioned.active = self.order.buffer(stage.stage_index, self.pp_size, version, self.m)
-            if stage.is_first:
-                args = (self._microbatch(j),)
-            return forward(chunk_id, args, *rest, **kwargs)
-
-        return forward_on_version
+        versioned.active = self.order.buffer(stage.stage_index, self.pp_size, self._version_of(stage.stage_index, j),
+                                             self.m)
+        if stage.is_first:
+            call.args = (self._microbatch(j),)
+        yield
 
     def _apply_due_update(self, action: _Action, ctx) -> None:
         """REDUCE_GRAD of stage s after the backward of global microbatch j: the stage's update."""
@@ -172,7 +175,7 @@ class AsyncPipelineSchedule(ProgramRuntime):
         # The one host read of a steady step: an update's norm, with the previous step's statistics.
         reads = norm_reads(program, self.clipping if self.updates_held else None, self._held)
         self._statistics_read_at = statistics_read(reads, self.updates_held)
-        # Forwards take their rows and labels by microbatch id (forward_on_version, _maybe_compute_loss);
+        # Forwards take their rows and labels by microbatch id (_on_its_version, _maybe_compute_loss);
         # torch reads slot 0's only on its first call, to infer shapes (any microbatch serves).
         arg_mbs: list = [()] * self.n_slots
         target_mbs: list = [None] * self.n_slots

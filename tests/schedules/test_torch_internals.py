@@ -218,17 +218,38 @@ def test_runtime_has_the_step_hooks_the_project_overrides():
 
 
 @pytest.mark.parametrize(
-    "method, first_params",
+    "method, params",
     [
-        ("forward_one_chunk", ["self", "fwd_chunk_id", "args"]),
-        ("backward_one_chunk", ["self", "bwd_chunk_id", "loss", "full_backward"]),
-        ("backward_weight_one_chunk", ["self", "bwd_chunk_id"]),
+        ("forward_one_chunk", [("fwd_chunk_id",), ("args",), ("kwargs", None), ("save_forward_output", True)]),
+        ("backward_one_chunk", [("bwd_chunk_id",), ("loss", None), ("full_backward", True), ("last_backward", False)]),
+        ("backward_weight_one_chunk", [("bwd_chunk_id",), ("last_backward", False)]),
     ],
 )
-def test_pipeline_stage_chunk_methods(method, first_params):
-    fn = getattr(PipelineStage, method, None)
-    assert callable(fn), method
-    assert list(inspect.signature(fn).parameters)[: len(first_params)] == first_params
+def test_hooked_stage_overrides_the_stage_compute_methods_with_torchs_parameters(method, params):
+    """HookedStage (schedules/stage_hooks.py) runs its hooks around these three, passing every
+    parameter on to torch's: an upgrade that adds or renames one must change the overrides too."""
+    from hf_asyncpp.schedules.stage_hooks import HookedStage
+
+    def listed(fn):
+        return [(p.name,) if p.default is inspect.Parameter.empty else (p.name, p.default)
+                for p in list(inspect.signature(fn).parameters.values())[1:]]
+
+    assert listed(getattr(PipelineStage, method)) == params
+    assert listed(getattr(HookedStage, method)) == params
+    assert getattr(HookedStage, method) is not getattr(PipelineStage, method)
+
+
+def test_the_runtime_computes_on_a_stage_only_through_its_three_compute_methods():
+    """Every compute action torch's runtime dispatches reaches a stage through the methods
+    HookedStage overrides, looked up on the stage and called with these keywords; it never runs the
+    stage's module itself. So the hooks see every forward, full backward, backward-input and
+    backward-weight of a program."""
+    source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
+    assert source.count("stage.forward_one_chunk(") == 1 and "save_forward_output=return_outputs" in source
+    assert source.count("stage.backward_one_chunk(") == 2
+    assert "full_backward=True" in source and "full_backward=False" in source
+    assert source.count("stage.backward_weight_one_chunk(") == 1
+    assert "submod(" not in source and "forward_maybe_with_nosync" not in source and "backward_maybe" not in source
 
 
 def test_multi_stage_schedules_build_their_order_from_mock_stages():
@@ -277,6 +298,20 @@ def test_stage_p2p_ops_name_their_peer_by_global_rank():
     assert "return_global=True" in inspect.getsource(dist.P2POp.__init__)
     for method in ("get_fwd_send_ops", "get_bwd_send_ops", "_get_recv_ops"):
         assert "peer_global_rank" in inspect.getsource(getattr(PipelineStage, method)), method
+
+
+def test_runtime_state_the_programs_are_run_with():
+    """ProgramRuntime sets torch's program (`pipeline_order_with_comms`, rank → actions) before each
+    run; the asynchronous runtime computes its losses with the schedule's `_loss_fn` and walks
+    `_stages`; a forward-only program drops a forward's cached outputs from the stage's `fwd_cache`
+    (chunk id → (outputs, inputs)) once used."""
+    loss_fn = lambda out, target: out  # noqa: E731
+    stage = mock_stage(2, 2)
+    runtime = _PipelineScheduleRuntime(stages=[stage], n_microbatches=1, loss_fn=loss_fn)
+    assert runtime._loss_fn is loss_fn and runtime._stages == [stage] and runtime._has_backward
+    assert "self.pipeline_order_with_comms[self.rank]" in inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
+    assert "self.fwd_cache[fwd_chunk_id] = (" in inspect.getsource(PipelineStage.forward_one_chunk)
+    assert "self.fwd_cache.pop(bwd_chunk_id)" in inspect.getsource(PipelineStage.backward_one_chunk)
 
 
 def test_runtime_hooks_used_by_the_async_runtime():
@@ -330,3 +365,42 @@ def test_fake_tensor_internals_used_by_stage_io_and_the_plan():
     assert isinstance(fake_impls.op_implementations_dict, dict)
     assert callable(fake_impls.register_op_impl) and callable(fake_impls.in_kernel_invocation_manager)
     assert "fake" in torch.distributed.Backend.backend_list
+
+
+# --- private APIs outside torch.distributed.pipelining ------------------------------------------
+# (`distributed_c10d._abort_process_group` and `_set_pg_timeout` are pinned by their behaviour on gloo
+# groups in tests/parallel/test_mesh.py.)
+
+
+def test_muon_learning_rate_scaling_is_torchs():
+    """optim/muon.py scales each matrix's lr as torch's Muon does, with its private helper."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr  # noqa: F401
+
+    assert list(inspect.signature(_adjust_lr).parameters) == ["lr", "adjust_lr_fn", "param_shape"]
+    assert _adjust_lr(0.1, "original", torch.Size([16, 4])) == pytest.approx(0.2)  # lr · √max(1, rows / cols)
+
+
+def test_flat_dense_tensor_buffers_round_trip():
+    """updates.py all-reduces a stage's gradients as one flat buffer."""
+    grads = [torch.arange(6.0).reshape(2, 3), torch.ones(4)]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    assert flat.shape == (10,)
+    assert all(torch.equal(a, b) for a, b in zip(torch._utils._unflatten_dense_tensors(flat, grads), grads))
+
+
+def test_dispatch_mode_pytree_and_dtensor_internals_of_the_memory_tracker():
+    """planning/memory_tracker.py: a dispatch mode flattening each op's outputs, and a DTensor's
+    storage is its local shard's."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+    from torch.utils._pytree import tree_flatten
+
+    assert tree_flatten((torch.ones(1), [torch.zeros(2)]))[0][1].shape == (2,)
+    assert "_local_tensor" in DTensor.__slots__
+
+
+def test_foreach_subtraction_used_by_error_feedback():
+    a, b = [torch.ones(2)], [torch.full((2,), 3.0)]
+    assert torch.equal(torch._foreach_sub(a, b)[0], torch.full((2,), -2.0))
+    torch._foreach_sub_(a, b, alpha=0.5)
+    assert torch.equal(a[0], torch.full((2,), -0.5))
