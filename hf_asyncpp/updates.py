@@ -20,6 +20,12 @@ with them. On a GPU the host can then queue the next forward while the backward 
 waiting for it there. A synchronous step reads its norm in the same transfer as the previous step's
 statistics; an asynchronous stage reads it once per update, when the update is applied, and one of
 those reads a step carries the previous step's statistics too (where: async_order.statistics_read).
+So at pp 2, m 4 a step reads once on every rank under gpipe, 1F1B, interleaved 1F1B, ZBV and
+PipeDream-2BW, twice under WPipe, four times under PipeDream (tests/test_host_syncs.py). The
+per-update read stays because a skip cannot cheaply be decided on the device: it must leave the
+weights, the optimizer's state (AdamW's moments decay even on a zero gradient), EF's buffers, the
+routing biases and the host-side LR schedule as they were, which would take a kept copy of all of
+them (`torch.where`) and an LR schedule on the device. The emulator reads each update's norms once.
 """
 
 from __future__ import annotations
