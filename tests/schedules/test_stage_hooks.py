@@ -129,12 +129,11 @@ def _hooks_of_a_run(rank, world_size, schedule):
         rows = torch.randint(0, model_config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
         engine.train_step(rows, rows if engine.forwards_ahead else None)
         engine.eval_step(rows)
-        evaluation = engine._eval_schedule._stages if engine._eval_schedule is not None else []
-        every_stage = engine.stages + evaluation
+        every_stage = engine.executor.torch_stages()  # training's and the evaluation's
         return dict(
-            training=[set(stage.hooks) for stage in engine.stages],
-            evaluation=[set(stage.hooks) for stage in evaluation],
-            routers=[bool(module.routing_load and module.routing_load.routers) for module in engine.modules],
+            training=[set(stage.hooks) for stage in engine.executor.stages],
+            evaluation=[set(stage.hooks) for stage in every_stage[len(engine.executor.stages):]],
+            routers=[bool(module.routing_load and module.routing_load.routers) for module in engine.executor.modules],
             replaced=[name for stage in every_stage for name in COMPUTE_METHODS if name in vars(stage)],
             hooked=all(isinstance(stage, HookedStage) for stage in every_stage),
         )

@@ -404,3 +404,28 @@ def test_foreach_subtraction_used_by_error_feedback():
     assert torch.equal(torch._foreach_sub(a, b)[0], torch.full((2,), -2.0))
     torch._foreach_sub_(a, b, alpha=0.5)
     assert torch.equal(a[0], torch.full((2,), -0.5))
+
+
+def test_process_group_abort_and_timeout_used_by_the_mesh():
+    """parallel/mesh.py aborts a group whose peer is lost and sets a group's timeout through c10d's private
+    helpers (their behaviour: tests/parallel/test_mesh.py)."""
+    from torch.distributed import distributed_c10d
+
+    assert list(inspect.signature(distributed_c10d._abort_process_group).parameters)[:1] == ["group"]
+    assert list(inspect.signature(distributed_c10d._set_pg_timeout).parameters)[:2] == ["timeout", "group"]
+
+
+def test_dynamo_disable_module_internals_and_the_grouped_mm_op():
+    """torch._dynamo.disable keeps per-layer compilation off the stage wrapper and routing hooks; models/
+    construct.py fills a module's own `_parameters` / `_buffers`; fake_kernels.py registers a fake kernel
+    for `aten._grouped_mm`."""
+    import torch._dynamo
+
+    assert callable(torch._dynamo.disable)
+    module = torch.nn.Linear(2, 2)
+    assert set(module._parameters) == {"weight", "bias"} and isinstance(module._buffers, dict)
+    assert hasattr(torch.ops.aten, "_grouped_mm")
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        assert isinstance(torch.empty(2), FakeTensor)
