@@ -152,12 +152,13 @@ else
   step bf16_accumulation 120 "$PYTHON" benchmarks/gpu_bf16_accumulation.py --out "$results/gpu_bf16_accumulation.json"
   smoke=$(mktemp -d)
   step smoke 180 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
-    --schedule pipedream-2bw --emulate_pp_size 2 --optimizer muon --learning_rate 0.02 --ef True --max_steps 30 \
-    --logging_steps 5 --eval_steps 0 --save_final False --report_to none --output_dir "$smoke"
+    --schedule pipedream-2bw --emulate_pp_size 2 --optimizer muon --learning_rate 0.02 --momentum 0.9 --ef True \
+    --max_steps 30 --logging_steps 5 --eval_fraction 0 --save_final False --report_to none --output_dir "$smoke"
   cp "$smoke/metrics.jsonl" "$results/smoke_metrics.jsonl" 2>/dev/null
   sync=$(mktemp -d)
   step sync_bf16 90 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
-    --schedule gpipe --mixed_precision bf16 --max_steps 20 --logging_steps 5 --eval_steps 0 --save_final False \
+    --schedule gpipe --optimizer adamw --learning_rate 3.0e-3 --momentum 0.9 --ef False --mixed_precision bf16 \
+    --max_steps 20 --logging_steps 5 --eval_fraction 0 --save_final False \
     --report_to none --output_dir "$sync"
   cp "$sync/metrics.jsonl" "$results/sync_bf16_metrics.jsonl" 2>/dev/null
   # Arms start while 90 s of the budget are left (each runs a minute or less); the rows print as they end.

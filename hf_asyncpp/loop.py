@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .log import get_logger
+from .run_summary import IdleTally, idle_summary
 
 __all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "load_main_process_first", "step_record"]
 
@@ -166,6 +167,7 @@ class TrainingLoop:
         self.data_description: str | None = None  # the card's data section, when not config.dataset's
         self.started_from: str | None = None  # where a front end's model was loaded from, for the card
         self.writer = self.reporters = None  # opened at the first record (main process)
+        self.idle = IdleTally()  # this launch's steps, for the closing lines
 
     def resume(self, resume_from: str) -> None:
         """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it.
@@ -194,7 +196,8 @@ class TrainingLoop:
 
     def run(self) -> dict:
         """Train from the start (or checkpoint) to max_steps or an earlier stop; evaluate at the end
-        when there is an evaluation set. Returns the last logged record."""
+        when there is an evaluation set; say what the pipeline left idle and the validation loss.
+        Returns the last logged record."""
         from tqdm.auto import tqdm
 
         engine = self.engine
@@ -208,10 +211,23 @@ class TrainingLoop:
         if self.terminated_at is None and self.data.held_out is not None:
             self.final_eval = self.evaluate(self.end_step)
             self.hooks.on_evaluate(self.final_eval)
-            logger.info(f"validation loss {self.final_eval['eval_loss']:.4f}, "
-                        f"perplexity {self.final_eval['eval_perplexity']:.2f}")
+        if self.terminated_at is None:
+            for line in self._closing_lines():
+                logger.info(line)
         self.close()
         return self.last_record
+
+    def _closing_lines(self) -> list[str]:
+        """The run's last words (a collective on a pipeline): each pipeline rank's idle share beside the
+        same run with a flush added or taken away (run_summary.py), then the final validation loss."""
+        lines = []
+        if self.layout.pp_size > 1 and self.idle.steps:
+            compute_s, step_time_s = self.idle.per_step_by_pipeline_rank(self.layout)
+            lines += idle_summary(self.engine.spec, self.config.n_microbatches, self.idle.steps, compute_s, step_time_s)
+        if self.final_eval is not None:
+            lines.append(f"validation loss {self.final_eval['eval_loss']:.4f}, "
+                         f"perplexity {self.final_eval['eval_perplexity']:.2f}")
+        return lines
 
     def _termination_handled(self):
         """SIGTERM handled at a step boundary where the run can be checkpointed; otherwise (WPipe on
@@ -240,6 +256,7 @@ class TrainingLoop:
             result = engine.train_step(self._rows(step), next_rows)
             step = result.step
             self.tokens_seen += result.tokens
+            self.idle.add(result)
             progress.update(1)
             decision = self.hooks.after_step(result, self.end_step)
             if decision.log:  # every rank: the values come from one all-reduce

@@ -99,7 +99,8 @@ BAD_INPUTS = {
                              "checkpoints are not supported for schedule 'wpipe': .*applied on some stages"),
     "sequences longer than the model's positions": (["--seq_len", "1000000"], 2,
                                                    "seq_len 1000000 exceeds the model's max_position_embeddings"),
-    "evaluation without an evaluation set": (["--eval_steps", "10"], 2, "no evaluation set: set eval_fraction > 0"),
+    "evaluation without an evaluation set": (["--eval_fraction", "0", "--eval_steps", "10"], 2,
+                                             "no evaluation set: set eval_fraction > 0"),
     "mid-run evaluation of a schedule whose updates straddle steps": (
         ["--schedule", "wpipe", "--grad_clip_scope", "stage", "--eval_fraction", "0.1", "--eval_steps", "2"], 2,
         "evaluations during training .* are not supported for schedule 'wpipe'"),

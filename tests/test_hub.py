@@ -184,7 +184,8 @@ def test_train_py_writes_the_card_and_pushes_the_export(tmp_path):
     run wrote."""
     out = tmp_path / "run"
     command = [sys.executable, "training_scripts/train.py", "--config", "training_scripts/configs/tiny_moe.yaml",
-               "--max_steps", "2", "--seq_len", "32", "--micro_batch_size", "2", "--output_dir", str(out),
+               "--max_steps", "2", "--seq_len", "32", "--micro_batch_size", "2", "--eval_fraction", "0",
+               "--output_dir", str(out),
                "--push_to_hub", "true", "--hub_model_id", "someone/tiny-moe", "--hub_revision", "dev",
                "--hub_private_repo", "true"]
     with LoopbackHub() as hub:

@@ -1,5 +1,7 @@
 """The README keeps its promises to a first-time reader:
 
+- its first command trains what the project is for (PipeDream-2BW on two stages, Muon, Error Feedback, a
+  held-out split), and the lines shown under it are the ones that run ends with;
 - its Trainer example, extracted exactly as printed, runs with the command printed under it (two
   processes, one pipeline stage each), trains (the loss falls), evaluates, and leaves an HF model
   directory that `from_pretrained` loads; its metrics.jsonl holds the keys the README names;
@@ -64,6 +66,28 @@ def test_the_trainer_example_runs_as_printed(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.3e6, rel=0.01)  # "a 1.3M-parameter MoE"
     assert (out / "final" / "README.md").is_file() and (out / "final" / "tokenizer.json").is_file()
+
+
+def test_the_quickstart_trains_what_the_project_is_for_and_shows_its_closing_lines():
+    """The first command runs tiny_moe.yaml on as many processes as it has pipeline stages: PipeDream-2BW,
+    Muon, Error Feedback (λ = 1), a held-out split; the lines shown under it are that run's closing lines."""
+    import yaml
+
+    from hf_asyncpp.config import load_config
+
+    section = _section("Quickstart")
+    [train_command, _] = _blocks(section, "bash")
+    launcher = yaml.safe_load((REPO / re.search(r"--config_file (\S+)", train_command).group(1)).read_text())
+    config = load_config(str(REPO / re.search(r"train\.py --config (\S+)", train_command).group(1)))
+    assert (config.schedule, config.optimizer, config.ef, config.ef_lambda) == ("pipedream-2bw", "muon", True, 1.0)
+    assert config.pp_size == launcher["num_processes"] == 2 and config.eval_fraction > 0
+    [shown] = _blocks(section, "text")
+    idle, flush, validation, *_ = shown.splitlines()
+    assert idle.startswith(f"[hf_asyncpp] idle share by pipeline rank over {config.max_steps} steps of pipedream-2bw ")
+    p, m = config.pp_size, config.n_microbatches
+    assert flush.startswith("[hf_asyncpp] 1f1b's flush would add ") and flush.endswith(
+        f"; {(p - 1) / (m + p - 1):.2f} on equal stages)")
+    assert validation.startswith("[hf_asyncpp] validation loss ")
 
 
 def test_the_readme_test_command_is_the_one_ci_runs():

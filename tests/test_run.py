@@ -4,13 +4,16 @@ The run must follow the documented recursion exactly: step k's minibatch is rows
 of the file (shuffle off, dp = 1), split into microbatches in order; the loss is the mean of the
 microbatch losses; gradients are clipped by the global norm; SGD with momentum (weight decay on what
 transformers.Trainer decays: not biases or norm weights) and the LR schedule step once per minibatch. The test recomputes that with plain transformers + torch.optim and
-compares every logged loss and every exported weight (1e-5: fp32, differently ordered sums).
+compares every logged loss and every exported weight (1e-5: fp32, differently ordered sums). A
+pipeline run closes with each rank's idle share beside the same run with (or, synchronous, without)
+its flush, rank 0's share the one its metrics.jsonl records step by step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,7 +37,9 @@ def _setup(tmp_path):
 
 
 def _overrides(tmp_path, out):
+    """The recursion's settings over tiny_moe.yaml's: synchronous, no Error Feedback, nothing held out."""
     return ["--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
+            "--schedule", "1f1b", "--ef", "false", "--eval_fraction", "0",
             "--shuffle", "false", "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches", str(M),
             "--optimizer", "sgd", "--learning_rate", "0.5", "--momentum", "0.9", "--weight_decay", "0.01",
             "--max_grad_norm", "0.5", "--lr_scheduler_type", "linear", "--warmup_steps", "1",
@@ -114,6 +119,28 @@ def _check_run(out, expected_losses, reference_model, n_ranks, delay=0):
     assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) < 1e-5
 
 
+def _check_closing_lines(stderr: str, out, schedule: str, flushed: str) -> None:
+    """The two lines after training: the measured idle share of each of the two ranks, then the run with
+    `flushed`'s flush added (an asynchronous schedule: more idle) or taken away (a synchronous one: less)."""
+    shares = r"(\d\.\d\d), (\d\.\d\d)"
+    measured = re.search(rf"\[hf_asyncpp\] idle share by pipeline rank over {STEPS} steps of {schedule} "
+                         rf"\(1 − forward/backward compute / step wall time\): {shares}\n", stderr)
+    change = "takes [\\d.]+ s of each [\\d.]+ s step; without it they would idle" if flushed == schedule else (
+        "would add [\\d.]+ s to each [\\d.]+ s step, idling them")
+    other = re.search(rf"\[hf_asyncpp\] {flushed}'s flush {change} {shares} \(timing model at the measured "
+                      rf"compute; \d\.\d\d on equal stages\)\n", stderr)
+    assert measured and other and other.start() == measured.end(), stderr[-3000:]
+    measured, other = [float(x) for x in measured.groups()], [float(x) for x in other.groups()]
+    assert all(0 <= x <= 1 for x in measured + other)
+    assert all(o >= m for o, m in zip(other, measured)) if flushed != schedule else all(
+        o <= m for o, m in zip(other, measured))
+    # Rank 0's share over the run is its per-step idle fractions weighted by its step times (logged every step).
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    wall = sum(r["step_time_s"] for r in records)
+    assert measured[0] == pytest.approx(sum(r["idle_fraction_per_rank"][0] * r["step_time_s"] for r in records) / wall,
+                                        abs=0.0051)
+
+
 LAUNCHERS = {
     "accelerate": (["accelerate", "launch", "--config_file", "training_scripts/accelerate/cpu_2proc.yaml"], "1f1b"),
     "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], "interleaved-1f1b"),
@@ -131,6 +158,7 @@ def test_launched_on_two_ranks_the_run_follows_the_recursion(tmp_path, launcher)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses, model = _reference(config, rows)
     _check_run(out, losses, model, n_ranks=2)
+    _check_closing_lines(proc.stderr, out, schedule, flushed=schedule)
 
 
 def test_plain_python_runs_one_process_with_the_same_result(tmp_path):
@@ -140,6 +168,7 @@ def test_plain_python_runs_one_process_with_the_same_result(tmp_path):
                           env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[hf_asyncpp] one process (no launcher): pp_size 2 → 1" in proc.stderr
+    assert "idle share" not in proc.stderr  # no pipeline, nothing to wait for
     losses, model = _reference(config, rows)
     _check_run(out, losses, model, n_ranks=1)
 
@@ -202,3 +231,5 @@ def test_pipedream_2bw_run_follows_the_one_step_delayed_recursion(tmp_path, laun
     assert losses[:2] == pytest.approx(sync_losses[:2], abs=1e-6)
     assert abs(losses[2] - sync_losses[2]) > 1e-4
     _check_run(out, losses, model, n_ranks=2 if launch.startswith("torchrun") else 1, delay=1)
+    if launch.startswith("torchrun"):
+        _check_closing_lines(proc.stderr, out, "pipedream-2bw", flushed="1f1b")

@@ -144,6 +144,17 @@ class ScheduleSpec:
         short, long = (self.timeline(pp_size, n_microbatches, n, cost, clip_globally, streams) for n in (3, 5))
         return (long.makespan - short.makespan) / 2, max(long.busy[r] - short.busy[r] for r in long.busy) / 2
 
+    def flush_seconds(self, pp_size: int, n_microbatches: int, compute_s_by_rank: list[float]) -> float:
+        """How much longer than its busiest rank computes one step of this synchronous schedule takes in
+        the timing model, when rank r computes compute_s_by_rank[r] seconds a step, spread over its actions
+        in MODEL_COSTS' proportions: the flush's bubble on stages of those costs, nothing else taking time."""
+        if self.order is not None:
+            raise ValueError(f"schedule '{self.name}' never flushes")
+        modeled = self.timeline(pp_size, n_microbatches, 1, model_cost).busy
+        scale = {rank: compute_s_by_rank[rank] / modeled[rank] for rank in modeled}
+        step = self.timeline(pp_size, n_microbatches, 1, lambda rank, action: model_cost(rank, action) * scale[rank])
+        return step.makespan - max(step.busy.values())
+
     def check_microbatches(self, pp_size: int, n_microbatches: int, clip_globally: bool = False) -> None:
         """Raise ValueError when this schedule cannot run n_microbatches on pp_size ranks (pipelined:
         `clip_globally` when its updates clip by the global norm)."""

@@ -44,7 +44,8 @@ def _command(tmp_path, out, *extra):
 def _arguments(tmp_path, out, *extra):
     return ["--config", "training_scripts/configs/tiny_moe.yaml", "--model_config", str(tmp_path / "model"),
             "--dataset", str(tmp_path / "data.jsonl"), "--seq_len", str(SEQ), "--micro_batch_size", str(MBS),
-            "--n_microbatches", str(M), "--pp_size", "2", "--schedule", "1f1b", "--max_steps", "6",
+            "--n_microbatches", str(M), "--pp_size", "2", "--schedule", "1f1b", "--optimizer", "adamw", "--ef", "false",
+            "--eval_fraction", "0", "--max_steps", "6",
             "--save_steps", "2", "--logging_steps", "1", "--report_to", "none", "--save_final", "false",
             "--seed", "3", "--output_dir", str(out), *extra]
 

@@ -169,3 +169,23 @@ def test_specs_are_immutable():
 def test_spec_defaults():
     spec = ScheduleSpec("x", "test only", gpipe_actions)
     assert (spec.stages_per_rank, spec.placement, spec.synchronous) == (1, "loop", True)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp_size, n_microbatches", [(2, 4), (4, 8), (4, 16)])
+def test_the_flush_on_equal_stages_is_the_textbook_bubble(name, pp_size, n_microbatches):
+    """A step whose ranks each compute 1 s takes (m + p − 1)/m s: idle (p − 1)/(m + p − 1) of it."""
+    flush_s = get_schedule_spec(name).flush_seconds(pp_size, n_microbatches, [1.0] * pp_size)
+    assert flush_s / (1.0 + flush_s) == pytest.approx((pp_size - 1) / (n_microbatches + pp_size - 1))
+
+
+def test_on_unequal_stages_the_busiest_rank_paces_the_step_and_the_flush_adds_the_others_fill_and_drain():
+    """1F1B at p = 2, m = 4, rank 1 computing twice rank 0's 1 s: rank 1 never waits once started, so
+    the step is rank 0's first forward (1/12 s: a backward takes two forwards), rank 1's 2 s and rank 0's
+    last backward (1/6 s)."""
+    assert get_schedule_spec("1f1b").flush_seconds(2, 4, [1.0, 2.0]) == pytest.approx(1 / 12 + 1 / 6)
+
+
+def test_an_asynchronous_schedule_has_no_flush_to_time():
+    with pytest.raises(ValueError, match="'pipedream-2bw' never flushes"):
+        get_schedule_spec("pipedream-2bw").flush_seconds(2, 4, [1.0, 1.0])
