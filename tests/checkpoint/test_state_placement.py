@@ -37,7 +37,10 @@ def _engine(optimizer: str, ef: bool, stepped: bool):
         for p in updater.params:
             p.grad = torch.randn_like(p)
         updater.stepper.step()
-    return types.SimpleNamespace(modules=[model], updaters=[updater], versioned=[], emulated=None, stage_ids=[0])
+    # Its executor has no state of its own kind of run (as executors.base.Executor's defaults).
+    executor = types.SimpleNamespace(modules=[model], updaters=[updater], stage_ids=[0], state=dict, masters=set,
+                                     state_to_load=lambda saved, destination: {}, restore=lambda loaded: None)
+    return types.SimpleNamespace(executor=executor)
 
 
 def _metadata(state: dict) -> dict:
