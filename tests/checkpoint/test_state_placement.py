@@ -5,7 +5,8 @@ by mistake cannot be read on the host, so whatever the loader would unpack there
 on CUDA. Per-element optimizer state and Error Feedback's buffers belong beside their parameter;
 packed objects (`#obj`: Muon's and SOAP's integer steps, LR schedules, RNG states) are bytes only
 the host unpacks, so they load on the CPU whatever device the parameters are on. That the values
-round-trip is the bitwise resume tests' part (test_checkpoints.py).
+round-trip is the bitwise resume tests' part (test_checkpoints.py), but for the count of skipped updates,
+which none of them skips: it round-trips here.
 """
 
 from __future__ import annotations
@@ -81,3 +82,28 @@ def test_packed_objects_load_on_the_cpu_and_tensor_state_beside_its_parameter(op
     misplaced.update({k: (t.device.type, t.dtype) for k, t in destinations.items()
                       if k in state_keys and not k.endswith("#obj") and t.device.type != "meta"})
     assert not misplaced
+
+
+def test_the_count_of_skipped_updates_round_trips_and_is_none_in_a_checkpoint_written_before_it():
+    """With the LR schedule's count of applied updates it places the run's last update (updates.Updater)."""
+    from hf_asyncpp.checkpoint.training_state import _pack, _unpack, load_training_state, training_state
+
+    saving = _engine("sgd", True, stepped=True)
+    saving.executor.updaters[0].skipped_updates = 2
+    state = training_state(saving, 0)
+    updater_key = next(k for k in state if k.startswith("updater."))
+    updater_state = _unpack(state[updater_key])
+    del updater_state["skipped_updates"]
+    earlier = {**state, updater_key: _pack(updater_state)}
+
+    def read_from(saved):
+        def read(wanted):
+            for key, tensor in wanted.items():
+                tensor.copy_(saved[key])
+        return read
+
+    for saved, count in ((state, 2), (earlier, 0)):
+        engine = _engine("sgd", True, stepped=False)
+        engine.executor.updaters[0].skipped_updates = 5  # overwritten by the load
+        load_training_state(engine, 0, _metadata(saved), read_from(saved))
+        assert engine.executor.updaters[0].skipped_updates == count
