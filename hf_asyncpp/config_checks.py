@@ -146,6 +146,10 @@ def check_settings(config: TrainConfig, world_size: int):
     _require(config.soap_max_precond_dim >= 1,
              f"soap_max_precond_dim must be at least 1 (longer sides stay unrotated), got {config.soap_max_precond_dim}")
     _require(config.ef_lambda >= 0, f"ef_lambda must be >= 0, got {config.ef_lambda}")
+    # Accepted without ef too (it changes nothing there: every update is the optimizer's alone), so that one
+    # study base sets it over arms with and without Error Feedback.
+    _require(config.ef_last_update in ("extrapolate", "plain"),
+             f"unknown ef_last_update '{config.ef_last_update}'; choose extrapolate or plain")
     try:
         from huggingface_hub.serialization._base import parse_size_to_int
 

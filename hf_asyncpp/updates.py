@@ -58,6 +58,24 @@ class Updater:
         # The LR schedule advances once per update: m times a step when stages update per microbatch.
         per_step = config.n_microbatches if order is not None and order.per_microbatch_updates else 1
         self.lr_scheduler = lr_scheduler_from_config(config, self.optimizer, per_step)
+        self.updates_planned = config.max_steps * per_step
+        # Updates skipped (non-finite norm) so far: the LR schedule does not count them, the run's length does.
+        # A checkpoint keeps it (checkpoint/training_state.py), as it keeps the schedule.
+        self.skipped_updates = 0
+        self.plain_last_update = config.ef and config.ef_last_update == "plain"
+
+    @property
+    def next_update_is_last(self) -> bool:
+        """Whether the next update decided is the run's last of these parameters (its max_steps-th step's
+        last): the LR schedule counts the updates applied, and a resumed run restores it. A run a callback
+        stops before max_steps has its last update decided before the stop is known."""
+        return self.lr_scheduler.last_epoch + self.skipped_updates + 1 == self.updates_planned
+
+    @property
+    def extrapolates_next_update(self) -> bool:
+        """Whether Error Feedback applies its extrapolation λ(u_t − u_{t−1}) to the next update: always, but
+        to the run's last under ef_last_update plain (then the final weights lie on the trajectory)."""
+        return not (self.plain_last_update and self.next_update_is_last)
 
 
 class _Held:
@@ -224,20 +242,25 @@ class Updates:
     def step(self, updater: Updater, norm: float, stepper=None) -> bool:
         """Clip to max_grad_norm by `norm` and step the optimizer (through `stepper`: the emulator's,
         when emulating) and the LR schedule; a non-finite `norm` skips the update (the pipeline still
-        publishes its unchanged master as the next version, and the emulator counts one). Returns
-        whether the update was applied."""
+        publishes its unchanged master as the next version, and the emulator counts one); the run's last
+        update leaves Error Feedback's extrapolation out under ef_last_update plain (the decision:
+        Updater.extrapolates_next_update). Returns whether the update was applied."""
         stepper = stepper or updater.stepper
         if not math.isfinite(norm):
             for param in updater.params:
                 param.grad = None
             if hasattr(stepper, "skip"):
                 stepper.skip()
+            updater.skipped_updates += 1
             for stage in updater.stages:
                 self.skipped[stage] = self.skipped.get(stage, 0) + 1
             return False
         if self.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(updater.params, self.max_norm,
                                                  torch.tensor(norm, dtype=torch.float32), foreach=True)
-        stepper.step()
+        if updater.extrapolates_next_update:
+            stepper.step()
+        else:  # only Error Feedback (through the emulator, when emulating) has an extrapolation to leave out
+            stepper.step(extrapolate=False)
         updater.lr_scheduler.step()
         return True

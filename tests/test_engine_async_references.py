@@ -51,6 +51,9 @@ PRESET = "tiny-llama"  # dense: see the module docstring
 LR, BETAS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 0.01
 # Clipping's tests: a norm below every gradient's (0.7 to 2.3 here), so every update is clipped.
 CLIPPED_SGD = dict(lr=0.1, momentum=0.9, max_norm=0.2)
+# Error Feedback's λ where a test turns it on (tests/test_updates.py): not 1, so that a rule dropping λ fails;
+# a power of two, so that λ·(u − u_prev) rounds alike on both sides.
+EF_LAMBDA = 2.0
 
 
 def _initial_model():
@@ -73,10 +76,11 @@ def _boundaries(n_stages: int) -> list[int]:
     return [8 * s // n_stages for s in range(1, n_stages)]
 
 
-def _pipeline(rank, world_size, schedule, n_stages, sync_steps=0, emulate_depth=0, clip=None):
+def _pipeline(rank, world_size, schedule, n_stages, sync_steps=0, emulate_depth=0, clip=None, ef_last_update=None):
     """The engine on `world_size` ranks (one pipeline; on one rank the emulator at `emulate_depth`):
     per-step losses, final weights and version ages (on rank 0). `clip`: (scope, max_grad_norm),
-    with SGD (CLIPPED_SGD); None: AdamW, no clipping."""
+    with SGD (CLIPPED_SGD); None: AdamW, no clipping. `ef_last_update`: Error Feedback on (EF_LAMBDA),
+    its last update this (None: off)."""
     from hf_asyncpp.checkpoint import gather_full_state_dict
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.engine import PipelineEngine
@@ -93,7 +97,8 @@ def _pipeline(rank, world_size, schedule, n_stages, sync_steps=0, emulate_depth=
         config = TrainConfig(model_config=PRESET, pp_size=world_size, schedule=schedule, **optimizer,
                              weight_decay=WEIGHT_DECAY, lr_scheduler_type="constant", seq_len=SEQ, micro_batch_size=MBS,
                              n_microbatches=M, max_steps=STEPS, stage_boundaries=_boundaries(n_stages),
-                             sync_steps=sync_steps, emulate_pp_size=emulate_depth)
+                             sync_steps=sync_steps, emulate_pp_size=emulate_depth, ef=ef_last_update is not None,
+                             ef_lambda=EF_LAMBDA, ef_last_update=ef_last_update or "extrapolate")
         engine = PipelineEngine(config, model.config, layout, model=model)
         rows = _rows(model.config.vocab_size)
         results = [engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
@@ -105,12 +110,14 @@ def _pipeline(rank, world_size, schedule, n_stages, sync_steps=0, emulate_depth=
         shutdown_parallel()
 
 
-def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int = 0, clip=None):
+def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int = 0, clip=None, ef_last_update=None):
     """The written rule on the unsplit HF model with torch.optim.AdamW: each unit's gradient is taken
     on a copy holding every parameter at the version its stage's delay says, then applied to the
     current weights. `clip` (scope, max_grad_norm): torch.optim.SGD instead, the gradient clipped
     first by torch's clip_grad_norm_ over the whole model ("global") or over each stage's part
-    ("stage"). Returns (per-step mean LM losses, final named parameters)."""
+    ("stage"). `ef_last_update`: Error Feedback's formula on top (the weights move by u_t + λ(u_t − u_{t−1}),
+    u the optimizer's update, λ EF_LAMBDA), the run's last unit by u_t alone if "plain" (None: no EF).
+    Returns (per-step mean LM losses, final named parameters)."""
     import torch
     from transformers import Trainer
 
@@ -138,6 +145,7 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
                         for s in range(1 if scope == "global" else n_stages)]
     history = [{n: p.detach().clone() for n, p in current.named_parameters()}]  # history[v]: after v updates
     units_per_step = M if per_microbatch else 1
+    previous_update = {n: torch.zeros_like(p) for n, p in current.named_parameters()}  # EF's u_{t−1}
     losses = []
     for k, rows in enumerate(_rows(current.config.vocab_size)):
         microbatches = rows.chunk(M)
@@ -160,6 +168,13 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
             for params in clipped_together if max_norm else ():
                 torch.nn.utils.clip_grad_norm_(params, max_norm)
             optimizer.step()
+            last_unit = k == STEPS - 1 and unit is units[-1]
+            with torch.no_grad():
+                for name, param in current.named_parameters() if ef_last_update else ():
+                    update = history[-1][name] - param  # u_t: the weights before the step minus after it
+                    if not (last_unit and ef_last_update == "plain"):
+                        param.sub_(update - previous_update[name], alpha=EF_LAMBDA)
+                    previous_update[name] = update
             history.append({n: p.detach().clone() for n, p in current.named_parameters()})
         losses.append(lm)
     return losses, dict(current.named_parameters())

@@ -1,4 +1,5 @@
-"""From gradients to an update (hf_asyncpp/updates.py): when the host reads a gradient norm.
+"""From gradients to an update (hf_asyncpp/updates.py): when the host reads a gradient norm, and how the run's
+last update ends under Error Feedback (ef_last_update).
 
 On a GPU a host read of a device value waits for every kernel queued before it. A stage of an
 asynchronous pipeline that clips by its own norm needs the value at once (to clip, or skip a non-finite
@@ -6,16 +7,25 @@ update); one that clips by the global norm posts its squared norm to an all-redu
 and must read nothing until the update is applied, or the host would wait for the backward there
 instead of queueing the next forward. CPU tensors have no queue, so the rule is checked where it lives:
 the Python-level reads (tests/host_reads.py) made while an update is posted.
+
+Error Feedback moves the weights by u_t + λ(u_t − u_{t−1}); under `ef_last_update: plain` the run's last
+update of each stage moves them by u_t alone. Every kind of run is held to the written rule replayed by
+hand with torch.optim (tests/test_engine_async_references.py, `replay`), where the last update is the last
+unit of the last step by construction, and to the other setting's rule, which must miss it.
 """
 
 from __future__ import annotations
 
+import types
+
 import pytest
+import torch
 
 from tests.host_reads import host_reads_recorded
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
 from tests.test_engine_async import M, MBS, SEQ, _rows
+from tests.test_engine_async_references import CLIPPED_SGD, _check, _pipeline, replay
 
 
 def _reads_while_posting(rank, world_size, scope, steps):
@@ -63,3 +73,64 @@ def test_a_stage_clipped_by_its_own_norm_reads_it_when_posting():
     from the second step on together with the previous step's statistics (one `tolist`)."""
     for posted, _ in run_ranks(2, _reads_while_posting, "stage", 3):
         assert posted == [["item"], ["tolist"], ["tolist"]]
+
+
+EF_LAST_UPDATE = {  # (schedule, ranks, stages, emulated depth, the delay of stage s, per-microbatch updates, clip)
+    "synchronous (gpipe), one process": ("gpipe", 1, 1, 0, lambda s: 0, False, None),
+    "pipedream-2bw emulated at depth 2": ("pipedream-2bw", 1, 2, 2, lambda s: 1, False, None),
+    "pipedream emulated at depth 2 (an update per microbatch)": ("pipedream", 1, 2, 2, lambda s: 1 - s, True, None),
+    # The last updates applied in the draining step, once the pipeline's norm is in.
+    "pipedream-2bw at pp 2, held for the global norm": ("pipedream-2bw", 2, 2, 0, lambda s: 1, False,
+                                                        ("global", CLIPPED_SGD["max_norm"])),
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", sorted(EF_LAST_UPDATE))
+def test_ef_last_update_plain_leaves_the_extrapolation_out_of_the_last_update_alone(case):
+    """Both settings train identically (the same per-step losses, bit for bit: the last update follows the
+    last loss), and end at the weights of their own rule: plain's differ from extrapolate's by
+    λ(u_T − u_{T−1}) of each stage's last update, which is far above the tolerance."""
+    schedule, ranks, n_stages, depth, delay, per_microbatch, clip = EF_LAST_UPDATE[case]
+    runs = {mode: next(r for r in run_ranks(ranks, _pipeline, schedule, n_stages, 0, depth, clip, mode) if r)
+            for mode in ("extrapolate", "plain")}
+    rules = {mode: replay(n_stages, delay, per_microbatch, clip=clip, ef_last_update=mode) for mode in runs}
+    assert runs["plain"][0] == runs["extrapolate"][0]
+    _check(runs["plain"], rules["plain"], rules["extrapolate"])
+    _check(runs["extrapolate"], rules["extrapolate"], rules["plain"])
+
+
+def test_the_last_update_is_counted_with_the_skipped_ones():
+    """max_steps 4, the second update skipped (a non-finite norm): the fourth decided is the run's last and
+    plain, though the LR schedule has counted two applied updates before it. Reference: SGD with momentum on
+    the applied gradients (its updates u do not depend on the weights), and EF's formula by hand."""
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.updates import Updater, Updates
+
+    grads = [torch.tensor([[0.5, -1.0, 2.0]]), None, torch.tensor([[-0.2, 0.8, 0.1]]), torch.tensor([[0.9, -0.4, 1.1]])]
+    sgd = dict(lr=0.1, momentum=0.9)
+    config = TrainConfig(optimizer="sgd", learning_rate=sgd["lr"], momentum=sgd["momentum"], weight_decay=0.0,
+                         max_grad_norm=0.0, lr_scheduler_type="constant", max_steps=len(grads), ef=True,
+                         ef_lambda=0.5, ef_last_update="plain")
+    module = torch.nn.Linear(3, 1, bias=False)
+    start = module.weight.detach().clone()
+    updater = Updater(config, [0], [0], [module], order=None)
+    updates = Updates(config, types.SimpleNamespace(dp_size=1, pp_size=1, device=torch.device("cpu")), [module], [0],
+                      gradients_averaged=True)
+    for grad in grads:
+        module.weight.grad = torch.zeros(1, 3) if grad is None else grad.clone()
+        updates.step(updater, float("inf") if grad is None else 1.0)
+
+    plain_sgd = torch.nn.Parameter(start.clone())
+    optimizer = torch.optim.SGD([plain_sgd], **sgd)
+    expected, previous = start.clone(), torch.zeros_like(start)
+    applied = [g for g in grads if g is not None]
+    for t, grad in enumerate(applied):
+        before = plain_sgd.detach().clone()
+        plain_sgd.grad = grad.clone()
+        optimizer.step()
+        update = before - plain_sgd.detach()
+        extrapolation = 0.5 * (update - previous) if t < len(applied) - 1 else 0.0
+        expected, previous = expected - update - extrapolation, update
+    torch.testing.assert_close(module.weight.detach(), expected, rtol=0, atol=1e-6)
+    assert updater.skipped_updates == 1 and updater.lr_scheduler.last_epoch == 3

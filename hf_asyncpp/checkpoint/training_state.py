@@ -86,6 +86,7 @@ def _live_state(executor, rank: int) -> dict:
             state.update({f"ef.{by_param[p]}": u for p, u in updater.stepper.previous_update.items()})
         state[f"updater.{updater.stage}"] = {
             "lr_scheduler": updater.lr_scheduler.state_dict(),
+            "skipped_updates": updater.skipped_updates,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in updater.optimizer.param_groups],
         }
     state.update(executor.state())  # its kind of run's own (weight versions, emulated versions)
@@ -159,6 +160,7 @@ def _restore(executor, loaded: dict, rank: int) -> None:
             first += len(group["params"])
         updater.optimizer.load_state_dict({"state": {i: s for i, s in state.items() if s}, "param_groups": groups})
         updater.lr_scheduler.load_state_dict(saved_updater["lr_scheduler"])
+        updater.skipped_updates = saved_updater.get("skipped_updates", 0)  # absent from checkpoints before it
         if hasattr(updater.stepper, "previous_update"):
             updater.stepper.previous_update = {p: loaded[f"ef.{n}"] for p, n in zip(_optimizer_params(updater), names)
                                                if f"ef.{n}" in loaded}

@@ -71,8 +71,9 @@ class StalenessEmulator:
             versions.append(p.detach().clone())
         self.units = 0
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, **step_args) -> None:
+        """Step the wrapped optimizer (`step_args`: its step's, e.g. Error Feedback's `extrapolate`)."""
+        self.optimizer.step(**step_args)
         self._count_unit()
 
     def skip(self) -> None:

@@ -7,6 +7,8 @@ x_t − x_t') and u_{t−1} the previous one (0 at first), the weights move by
 
 instead of u_t. With λ = 1 under a one-step delay the stored weights become a linear extrapolation
 of the un-delayed trajectory, x_{t+1} = x_t − 2u_{t−1} + u_{t−2} (docs/ARCHITECTURE.md, "Update semantics").
+`step(extrapolate=False)` moves them by u_t alone (a run's last update, under `ef_last_update: plain`,
+so that the final weights lie on the trajectory instead of one extrapolated step past it).
 One extra update-sized buffer per parameter, made from the parameter (a clone, or `zeros_like`
 at first), so under FSDP2 it is a DTensor sharded exactly like it; it is part of `state_dict()`.
 """
@@ -19,7 +21,8 @@ __all__ = ["ErrorFeedback"]
 
 
 class ErrorFeedback:
-    """Wraps any torch optimizer; `step()` applies the base update plus λ × its change."""
+    """Wraps any torch optimizer; `step()` applies the base update plus λ × its change (`extrapolate=False`:
+    the base update alone)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, ef_lambda: float = 1.0):
         self.optimizer, self.ef_lambda = optimizer, ef_lambda
@@ -36,7 +39,7 @@ class ErrorFeedback:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, extrapolate: bool = True) -> None:
         params = self._params()
         before = [p.detach().clone() for p in params]
         self.optimizer.step()
@@ -48,8 +51,9 @@ class ErrorFeedback:
         for i, p in enumerate(params):
             if previous[i] is None:
                 previous[i] = self.previous_update[p] = torch.zeros_like(p)
-        change = torch._foreach_sub(updates, previous)
-        torch._foreach_sub_(params, change, alpha=self.ef_lambda)
+        if extrapolate:
+            change = torch._foreach_sub(updates, previous)
+            torch._foreach_sub_(params, change, alpha=self.ef_lambda)
         self.previous_update.update(zip(params, updates))
 
     def state_dict(self) -> dict:

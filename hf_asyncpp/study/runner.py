@@ -113,20 +113,28 @@ def _config_values(config) -> dict:
     return json.loads(json.dumps({k: v for k, v in values.items() if k not in _BOOKKEEPING_KEYS}))
 
 
-def _read_by_its_optimizer(config) -> dict:
-    """The config's values less the keys only another optimizer reads (`soap_*` in an AdamW arm, say)."""
+# Keys only Error Feedback reads that an arm without it leaves out of its settings (ef_lambda, which the
+# grid sets to 1.0 in every arm, stays in, as records written before this list hold it).
+_READ_BY_EF_ONLY = ("ef_last_update",)
+
+
+def _read_by_its_run(config) -> dict:
+    """The config's values less the keys only another optimizer reads (`soap_*` in an AdamW arm, say) and,
+    without Error Feedback, the keys only it reads."""
     from ..optim import OPTIMIZER_NAMES
 
     others = tuple(f"{name}_" for name in OPTIMIZER_NAMES if name != config.optimizer)
-    return {k: v for k, v in _config_values(config).items() if not k.startswith(others)}
+    unread = () if config.ef else _READ_BY_EF_ONLY
+    return {k: v for k, v in _config_values(config).items() if not k.startswith(others) and k not in unread}
 
 
 def _settings(study: Study, arm: Arm) -> dict:
     """What an arm's result depends on: its resolved config (base config and every override; the files'
     comments and layout do not count; nor keys of other optimizers than its own, so that a SOAP setting
-    in the study's base reruns the SOAP arms alone) and how it is launched. A finished arm whose
+    in the study's base reruns the SOAP arms alone; nor, in an arm without Error Feedback, the keys only
+    it reads) and how it is launched. A finished arm whose
     settings differ (a value in the study file or base config was edited) is run again."""
-    return {"config": _read_by_its_optimizer(arm_config(study, arm)), "launch": study.launch}
+    return {"config": _read_by_its_run(arm_config(study, arm)), "launch": study.launch}
 
 
 def _finished(directory: Path, settings: dict) -> dict | None:

@@ -1,5 +1,5 @@
 """Error Feedback: the weights follow x_{t+1} = x_t − u_t − λ(u_t − u_{t−1}) with u the base optimizer's
-raw updates; λ = 0 is exactly the base optimizer."""
+raw updates; λ = 0 is exactly the base optimizer; a step without extrapolation moves them by u_t alone."""
 
 from __future__ import annotations
 
@@ -39,6 +39,21 @@ def test_weights_follow_the_formula_from_the_raw_updates(ef_lambda):
         previous = u
     for got, want in zip(_run(make, ef_lambda), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_step_without_extrapolation_moves_by_the_base_update_alone_and_is_the_next_steps_previous():
+    """Step 3 of 5 with extrapolate=False: x_4 = x_3 − u_3; step 4 then extrapolates from u_3 as usual."""
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    plain = _run(make, None)
+    raw = [plain[t] - plain[t + 1] for t in range(len(GRADS))]
+    x = torch.nn.Parameter(plain[0].clone())
+    ef = ErrorFeedback(make([x]), 0.5)
+    expected, previous = plain[0], torch.zeros(3)
+    for t, (g, u) in enumerate(zip(GRADS, raw)):
+        x.grad = g.clone()
+        ef.step(extrapolate=t != 2)
+        expected, previous = expected - u - (0.5 * (u - previous) if t != 2 else 0.0), u
+        torch.testing.assert_close(x.detach(), expected, rtol=0, atol=1e-6)
 
 
 def test_lambda_one_extrapolates_one_step():
