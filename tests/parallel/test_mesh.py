@@ -232,6 +232,8 @@ def group_uses():
 def _first_uses(rank, world_size, schedule):
     """pp 2 × dp 2: the engine's start-up, then three steps with an evaluation after the first, and
     their end; per phase, the groups used, and the groups that exist."""
+    import importlib
+
     import torch
     import torch.distributed as dist
 
@@ -247,7 +249,10 @@ def _first_uses(rank, world_size, schedule):
     with group_uses() as (uses, phase):
         layout = init_parallel(read_launch(), 2)
         try:
-            starting = getattr(engine_module, "start_communicators", None)
+            # Every executor starts its communicators first thing (executors/*.py: start_communicators).
+            executor_modules = [importlib.import_module(f"hf_asyncpp.executors.{kind}")
+                                for kind in ("synchronous", "asynchronous", "emulated")]
+            starting = executor_modules[0].start_communicators
 
             def start(*args, **kwargs):
                 phase[0] = "start-up"
@@ -256,8 +261,8 @@ def _first_uses(rank, world_size, schedule):
                 finally:
                     phase[0] = "engine"
 
-            if starting:
-                engine_module.start_communicators = start
+            for module in executor_modules:
+                module.start_communicators = start
             try:
                 model_config = small_model_config("tiny-qwen3-moe")
                 config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=2, schedule=schedule, optimizer="adamw",
@@ -265,8 +270,8 @@ def _first_uses(rank, world_size, schedule):
                                      max_steps=3, max_grad_norm=1.0, grad_clip_scope="global")
                 engine = engine_module.PipelineEngine(config, model_config, layout)
             finally:
-                if starting:
-                    engine_module.start_communicators = starting
+                for module in executor_modules:
+                    module.start_communicators = starting
             after_start_up = groups()
             phase[0] = "steps"
             rows = [torch.randint(0, model_config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(k))
