@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -12,7 +12,6 @@ budget across several studies in budget.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..log import get_logger
@@ -78,8 +77,13 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     main = study.main_delayed_mode()
     main_mode = mode_name(*main) if main else None
     rows, texts, figures, stale, reported = [], {"claims.md": [], "headline.md": [], "verdicts.md": []}, [], set(), {}
+    read: dict[str, dict | None] = {}  # arm name → its finished record (None: not finished with these settings)
     for protocol in study.protocols:
-        finished = {arm.name: finished_record(study, arm) for arm in protocol_arms(study, protocol, chosen, per_mode)}
+        arms = protocol_arms(study, protocol, chosen, per_mode)
+        for arm in arms:  # each arm's record read once, though the protocols share their sync arms
+            if arm.name not in read:
+                read[arm.name] = finished_record(study, arm)
+        finished = {arm.name: read[arm.name] for arm in arms}
         records = [r for r in finished.values() if r is not None]
         reported.update({name: r for name, r in finished.items() if r is not None})
         stale |= {name for name, r in finished.items() if r is None and (study.output_dir / "arms" / name / "arm.json").is_file()}

@@ -159,6 +159,7 @@ def test_a_rerun_is_refused_while_an_arm_of_an_earlier_run_still_writes_its_dire
     names the arm's directory (a reused process id does not)."""
     import subprocess
     import sys
+    import time
 
     import pytest
 
@@ -171,6 +172,11 @@ def test_a_rerun_is_refused_while_an_arm_of_an_earlier_run_still_writes_its_dire
     sleep = "import time; time.sleep(60)"
     arm = subprocess.Popen([sys.executable, "-c", sleep, "--output_dir", str(directory)])
     other = subprocess.Popen([sys.executable, "-c", sleep])
+    # A process just started may not have exec'd yet: its command line is still its parent's.
+    deadline = time.monotonic() + 30
+    while str(directory).encode() not in Path(f"/proc/{arm.pid}/cmdline").read_bytes().split(b"\0"):
+        assert time.monotonic() < deadline, "the stand-in arm never started"
+        time.sleep(0.05)
     try:
         (directory / "running.json").write_text(json.dumps({"settings": {}, "pid": other.pid}))
         _refuse_alive(study, [ARM])
