@@ -1,5 +1,6 @@
-"""The run's configuration: one dataclass of keys, each with its meaning, and YAML + `--key value`
-overrides. What a config may hold is checked by config_checks.py."""
+"""The run's configuration: its keys in sections (one dataclass per component, each key with its
+meaning), TrainConfig holding them all flat, and YAML + `--key value` overrides. What a config may
+hold is checked by config_checks.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["ConfigError", "TrainConfig", "config_from_values", "load_config"]
+__all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "ExportConfig", "FailureConfig", "ModelConfig",
+           "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig", "config_from_values", "load_config"]
 
 
 class ConfigError(ValueError):
@@ -26,14 +28,12 @@ def _key(default, meaning: str):
     return dataclasses.field(default=default, metadata={"help": meaning})
 
 
-# The section each group of keys belongs to, by its first key (keys after it, in order, join it).
-SECTION_STARTS = {"model_config": "model", "dataset": "data", "pp_size": "pipeline", "optimizer": "optimization",
-                  "output_dir": "output", "save_steps": "checkpoints", "nonfinite_policy": "failures"}
-
+# The keys in sections, one dataclass per component: a function that reads one component says so by
+# taking that section; TrainConfig is all of them, flat, as YAML files and `--key value` write them.
 
 @dataclass
-class TrainConfig:
-    """Every key of a run; `train.py --help` and docs/config.md are generated from the fields' help."""
+class ModelConfig:
+    """The model to build: its architecture, its starting weights, its routing."""
 
     model_config: str = _key("tiny-moe", "a preset (`hf_asyncpp.PRESETS`: tiny-moe, tiny-mixtral, tiny-llama, …), an "
                              "HF config.json, or a model directory")
@@ -44,6 +44,12 @@ class TrainConfig:
                                               "the model config's")
     router_bias_update_rate: float = _key(0.001, "DeepSeek-V3 routing-bias step γ: after each step every bias moves "
                                           "±γ toward the mean expert load; 0 freezes the biases")
+
+
+@dataclass
+class DataConfig:
+    """The text a run reads: its source, tokenizer, blocks, order and held-out share."""
+
     dataset: str = _key("shakespeare", "`shakespeare` (offline corpus), .txt/.jsonl/.parquet files (a glob or "
                         "directory), a `prepare-data` directory, or a Hub dataset id")
     dataset_config_name: str | None = _key(None, "the Hub dataset's configuration (subset)")
@@ -65,6 +71,12 @@ class TrainConfig:
     eval_dataset: str | None = _key(None, "files or a Hub id held out whole for validation, instead of eval_fraction")
     eval_dataset_split: str = _key("validation", "the split of a Hub eval_dataset")
     eval_steps: int = _key(0, "also evaluate every N steps (0: only at the end, when there is a held-out set)")
+
+
+@dataclass
+class PipelineConfig:
+    """How the model runs: stages, schedule, microbatches, sharding, precision."""
+
     pp_size: int = _key(2, "pipeline ranks (dp = world size / pp_size); forced to 1 without a launcher")
     schedule: str = _key("1f1b", "gpipe, 1f1b, interleaved-1f1b, zbv (synchronous); pipedream-2bw, wpipe, pipedream "
                          "(asynchronous; see docs/schedules.md)")
@@ -88,6 +100,18 @@ class TrainConfig:
                                          "layer) or selective (each layer's MLP / MoE block)")
     compile_layers: bool = _key(False, "torch.compile each decoder layer (the pipeline stays eager)")
     threads_per_rank: int | None = _key(None, "torch CPU threads per rank (none: cores / local ranks)")
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of one minibatch on one dp rank: micro_batch_size × n_microbatches."""
+        return self.micro_batch_size * self.n_microbatches
+
+
+@dataclass
+class OptimizerConfig:
+    """The update: optimizer, Error Feedback, clipping and the learning-rate schedule over
+    max_steps optimizer steps."""
+
     optimizer: str = _key("adamw", "adamw, muon, soap, lion or sgd (see docs/optimizers.md)")
     learning_rate: float = _key(1e-3, "peak learning rate")
     momentum: float = _key(0.9, "SGD momentum; β1 of AdamW, SOAP and Lion; Muon's momentum")
@@ -116,12 +140,29 @@ class TrainConfig:
     lr_scheduler_kwargs: dict | None = _key(None, "the schedule's own arguments (e.g. num_cycles, min_lr)")
     warmup_steps: int = _key(0, "learning-rate warm-up steps")
     max_steps: int = _key(100, "optimizer steps")
+
+    @property
+    def clips_by_global_norm(self) -> bool:
+        """Whether each update is clipped by the global gradient norm (of its update unit, all stages)."""
+        return self.max_grad_norm > 0 and self.grad_clip_scope == "global"
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes and what it records."""
+
     seed: int = _key(42, "model initialization and shuffle seed")
     output_dir: str = _key("outputs/run", "where metrics, checkpoints and the export go; untouched if the config "
                            "is invalid")
     logging_steps: int = _key(1, "log every N steps (and the last)")
     report_to: list[str] = _key(["tensorboard"], "trackers that also get the logged records: tensorboard, wandb, "
                                 "trackio, or none")
+
+
+@dataclass
+class ExportConfig:
+    """The final HF model directory, its model card and its upload."""
+
     save_final: bool = _key(True, "export final/ at the end: an HF model directory with the tokenizer and a model card")
     push_to_hub: bool = _key(False, "upload final/ to hub_model_id at the end (token from HF_TOKEN or "
                              "`hf auth login`)")
@@ -134,25 +175,39 @@ class TrainConfig:
     export_dtype: str = _key("float32", "the export's weights: float32, or bfloat16 (cast from the fp32 masters)")
     license: str = _key("apache-2.0", "the model card's license")
     language: list[str] = _key(["en"], "the model card's language(s)")
+
+
+@dataclass
+class CheckpointConfig:
+    """Training checkpoints: how often, how many, which to resume."""
+
     save_steps: int = _key(0, "write a training checkpoint every N steps to output_dir/checkpoint-<step>/ (0: never)")
     save_total_limit: int | None = _key(None, "keep only the newest N checkpoints")
     resume_from_checkpoint: str | None = _key(None, "a checkpoint directory, or `latest` in output_dir (a fresh start "
                                               "while there is none)")
+
+
+@dataclass
+class FailureConfig:
+    """What a non-finite step or a silent rank does to the run."""
+
     nonfinite_policy: str = _key("stop", "a NaN or infinity in the loss or gradient norm (its update is never "
                                  "applied): stop the run one step later, or skip and go on")
     nonfinite_skip_limit: int = _key(10, "under skip: the run stops at the step that makes more than this many steps "
                                      "skipped")
     comm_timeout_s: float = _key(600.0, "seconds a rank waits for another (dead or stalled) before stopping the run")
 
-    @property
-    def clips_by_global_norm(self) -> bool:
-        """Whether each update is clipped by the global gradient norm (of its update unit, all stages)."""
-        return self.max_grad_norm > 0 and self.grad_clip_scope == "global"
 
-    @property
-    def rows_per_step(self) -> int:
-        """Rows of one minibatch on one dp rank: micro_batch_size × n_microbatches."""
-        return self.micro_batch_size * self.n_microbatches
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "pipeline": PipelineConfig, "optimization": OptimizerConfig,
+            "run": RunConfig, "export": ExportConfig, "checkpoints": CheckpointConfig, "failures": FailureConfig}
+
+
+# Bases in reverse: a dataclass lists its bases' fields from the last base to the first.
+@dataclass
+class TrainConfig(FailureConfig, CheckpointConfig, ExportConfig, RunConfig, OptimizerConfig, PipelineConfig,
+                  DataConfig, ModelConfig):
+    """Every key of a run, flat: the sections together. `train.py --help` and docs/config.md are
+    generated from the fields' help, section by section."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

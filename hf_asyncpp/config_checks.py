@@ -9,7 +9,8 @@ import functools
 import os
 import re
 
-from .config import ConfigError, TrainConfig
+from .config import (CheckpointConfig, ConfigError, DataConfig, ExportConfig, FailureConfig, ModelConfig,
+                     OptimizerConfig, PipelineConfig, RunConfig, TrainConfig)
 from .log import get_logger
 from .models.recompute import CHECKPOINTING_MODES
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
@@ -53,7 +54,7 @@ def check_step_boundaries(config: TrainConfig, purpose: str) -> None:
         raise ConfigError(f"{purpose} are not supported for schedule '{spec.name}': {boundary.reason}")
 
 
-def _check_lr_schedule(config: TrainConfig) -> None:
+def _check_lr_schedule(config: OptimizerConfig) -> None:
     """The schedule's name, and its lr_scheduler_kwargs tried on a one-parameter optimizer."""
     import torch
     from transformers.trainer_utils import SchedulerType
@@ -92,6 +93,7 @@ def apply_launch_settings(config: TrainConfig, launch) -> None:
 
 
 def _check_resume(config: TrainConfig) -> None:
+    """The checkpoint to resume (resume_from_checkpoint, `latest` looked up in output_dir) exists and is whole."""
     from .checkpoint.checkpoints import CheckpointError, find_checkpoint, verify_checkpoint
 
     if config.resume_from_checkpoint is not None:
@@ -103,34 +105,31 @@ def _check_resume(config: TrainConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
-def check_settings(config: TrainConfig, world_size: int):
-    """Every check that needs neither the model nor the data (ranges, names, the schedule, the
-    checkpoint to resume). Returns the schedule's spec."""
-    # Imported here: config parsing stays light, validation needs the model and schedule layers.
-    from .schedules import get_schedule_spec
-
-    for key in ("seq_len", "micro_batch_size", "n_microbatches", "pp_size", "max_steps", "logging_steps",
-                "shuffle_window"):
+def _at_least_one(config, *keys: str) -> None:
+    for key in keys:
         _require(getattr(config, key) >= 1, f"{key} must be at least 1, got {getattr(config, key)}")
-    _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
-    _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")
-    _require(config.grad_clip_scope in ("global", "stage"),
-             f"grad_clip_scope must be global or stage, got {config.grad_clip_scope!r}")
+
+
+def _check_model(config: ModelConfig) -> None:
     _require(config.router_bias_update_rate >= 0,
              f"router_bias_update_rate must be >= 0, got {config.router_bias_update_rate}")
-    _require(config.muon_lr_scale in ("original", "match_rms_adamw"),
-             f"unknown muon_lr_scale '{config.muon_lr_scale}'; choose original or match_rms_adamw")
-    for pattern in config.muon_adamw_patterns or ():
-        try:
-            re.compile(pattern)
-        except re.error as err:
-            raise ConfigError(f"muon_adamw_patterns: '{pattern}' is not a regular expression ({err})") from None
-    try:
-        from .reporting import check_report_to
 
-        check_report_to(config.report_to)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+
+def _check_data(config: DataConfig) -> None:
+    _at_least_one(config, "seq_len", "shuffle_window")
+    _require(0 <= config.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {config.eval_fraction}")
+    _require(config.eval_steps >= 0, f"eval_steps must be >= 0, got {config.eval_steps}")
+    _require(not (config.streaming and config.eval_fraction > 0),
+             "eval_fraction cannot hold out part of a streamed dataset (its length is unknown): set "
+             "eval_fraction to 0 and name the held-out files in eval_dataset")
+    _require(config.eval_dataset is None or config.eval_fraction == 0,
+             "eval_dataset and eval_fraction both name a held-out set: keep one (eval_dataset replaces eval_fraction)")
+    _require(not config.eval_steps or config.eval_fraction > 0 or config.eval_dataset is not None,
+             "eval_steps asks for evaluation, but there is no evaluation set: set eval_fraction > 0 or eval_dataset")
+
+
+def _check_pipeline(config: PipelineConfig) -> None:
+    _at_least_one(config, "micro_batch_size", "n_microbatches", "pp_size")
     _require(config.activation_checkpointing in CHECKPOINTING_MODES,
              f"unknown activation_checkpointing '{config.activation_checkpointing}'; choose "
              + ", ".join(CHECKPOINTING_MODES))
@@ -140,6 +139,24 @@ def check_settings(config: TrainConfig, world_size: int):
              f"unknown grad_reduce_dtype '{config.grad_reduce_dtype}'; choose fp32 or compute")
     _require(config.fsdp or config.mixed_precision != "bf16",
              "mixed_precision bf16 is applied by FSDP2: set fsdp to true (or mixed_precision to no)")
+    _require(config.sync_steps >= 0, f"sync_steps must be >= 0, got {config.sync_steps}")
+
+
+def _check_optimizer(config: OptimizerConfig) -> None:
+    _at_least_one(config, "max_steps")
+    _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")
+    _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
+    _require(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
+    _require(config.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {config.max_grad_norm}")
+    _require(config.grad_clip_scope in ("global", "stage"),
+             f"grad_clip_scope must be global or stage, got {config.grad_clip_scope!r}")
+    _require(config.muon_lr_scale in ("original", "match_rms_adamw"),
+             f"unknown muon_lr_scale '{config.muon_lr_scale}'; choose original or match_rms_adamw")
+    for pattern in config.muon_adamw_patterns or ():
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(f"muon_adamw_patterns: '{pattern}' is not a regular expression ({err})") from None
     _require(config.soap_precondition_frequency >= 1,
              f"soap_precondition_frequency must be at least 1 (updates between eigenbasis refreshes), "
              f"got {config.soap_precondition_frequency}")
@@ -150,6 +167,21 @@ def check_settings(config: TrainConfig, world_size: int):
     # study base sets it over arms with and without Error Feedback.
     _require(config.ef_last_update in ("extrapolate", "plain"),
              f"unknown ef_last_update '{config.ef_last_update}'; choose extrapolate or plain")
+    _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
+    _check_lr_schedule(config)
+
+
+def _check_run(config: RunConfig) -> None:
+    _at_least_one(config, "logging_steps")
+    try:
+        from .reporting import check_report_to
+
+        check_report_to(config.report_to)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_export(config: ExportConfig) -> None:
     try:
         from huggingface_hub.serialization._base import parse_size_to_int
 
@@ -164,29 +196,38 @@ def check_settings(config: TrainConfig, world_size: int):
         raise ConfigError(f"export_dtype: {err}") from None
     _require(not config.push_to_hub or (config.hub_model_id and config.save_final),
              "push_to_hub needs hub_model_id (namespace/name) and save_final: true")
-    _require(0 <= config.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {config.eval_fraction}")
-    _require(config.eval_steps >= 0, f"eval_steps must be >= 0, got {config.eval_steps}")
-    _require(not (config.streaming and config.eval_fraction > 0),
-             "eval_fraction cannot hold out part of a streamed dataset (its length is unknown): set "
-             "eval_fraction to 0 and name the held-out files in eval_dataset")
-    _require(config.eval_dataset is None or config.eval_fraction == 0,
-             "eval_dataset and eval_fraction both name a held-out set: keep one (eval_dataset replaces eval_fraction)")
-    _require(not config.eval_steps or config.eval_fraction > 0 or config.eval_dataset is not None,
-             "eval_steps asks for evaluation, but there is no evaluation set: set eval_fraction > 0 or eval_dataset")
+
+
+def _check_checkpoints(config: CheckpointConfig) -> None:
     _require(config.save_steps >= 0, f"save_steps must be >= 0 (0: no checkpoints), got {config.save_steps}")
     _require(config.save_total_limit is None or config.save_total_limit >= 1,
              f"save_total_limit must be at least 1, got {config.save_total_limit}")
+
+
+def _check_failures(config: FailureConfig) -> None:
     from .resilience import NONFINITE_POLICIES
 
     _require(config.nonfinite_policy in NONFINITE_POLICIES,
              f"unknown nonfinite_policy '{config.nonfinite_policy}'; choose {' or '.join(NONFINITE_POLICIES)}")
     _require(config.nonfinite_skip_limit >= 0, f"nonfinite_skip_limit must be >= 0, got {config.nonfinite_skip_limit}")
     _require(config.comm_timeout_s > 0, f"comm_timeout_s must be positive, got {config.comm_timeout_s}")
+
+
+# Each section's own checks, in the order of the sections (the key reference's order).
+_SECTION_CHECKS = (_check_model, _check_data, _check_pipeline, _check_optimizer, _check_run, _check_export,
+                   _check_checkpoints, _check_failures)
+
+
+def check_settings(config: TrainConfig, world_size: int):
+    """Every check that needs neither the model nor the data: each section's own (ranges, names), then
+    those across sections (the schedule against the rest, the checkpoint to resume). Returns the
+    schedule's spec."""
+    # Imported here: config parsing stays light, validation needs the model and schedule layers.
+    from .schedules import get_schedule_spec
+
+    for check in _SECTION_CHECKS:
+        check(config)
     _check_resume(config)
-    _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
-    _require(config.optimizer in OPTIMIZERS, f"unknown optimizer '{config.optimizer}'; available: {', '.join(OPTIMIZERS)}")
-    _require(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
-    _check_lr_schedule(config)
     try:
         spec = get_schedule_spec(config.schedule)
     except ValueError as err:
@@ -197,7 +238,6 @@ def check_settings(config: TrainConfig, world_size: int):
              f"grad_reduce_dtype compute applies to asynchronous schedules, whose stages sum a step's microbatch "
              f"gradients in fp32 before reducing them; '{spec.name}' runs under FSDP2, which would sum them in "
              "bf16 as well: use grad_reduce_dtype: fp32")
-    _require(config.sync_steps >= 0, f"sync_steps must be >= 0, got {config.sync_steps}")
     _require(not (config.sync_steps and spec.synchronous),
              f"sync_steps makes the first steps of an asynchronous schedule synchronous; '{spec.name}' is "
              "synchronous throughout: remove sync_steps or choose pipedream-2bw, pipedream or wpipe")

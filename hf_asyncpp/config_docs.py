@@ -1,4 +1,4 @@
-"""The config keys described for people, generated from `TrainConfig`'s fields (config.py): their type,
+"""The config keys described for people, generated from the config sections' fields (config.py): their type,
 default and help. `train.py --help` prints `keys_help()`; docs/config.md holds `keys_reference()`
 between two markers, rewritten by
 
@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .config import SECTION_STARTS, TrainConfig
+from .config import SECTIONS
 
 __all__ = ["BEGIN_MARKER", "END_MARKER", "keys_help", "keys_reference", "update_reference"]
 
@@ -23,13 +23,8 @@ END_MARKER = "<!-- end of generated keys -->"
 
 
 def _sections() -> list[tuple[str, list[dataclasses.Field]]]:
-    """(section, its fields) in TrainConfig's order; a key opens a section when SECTION_STARTS names it."""
-    sections: list[tuple[str, list]] = []
-    for field in dataclasses.fields(TrainConfig):
-        if field.name in SECTION_STARTS or not sections:
-            sections.append((SECTION_STARTS.get(field.name, "other"), []))
-        sections[-1][1].append(field)
-    return sections
+    """(section, its keys) in TrainConfig's order: the section dataclasses of config.py."""
+    return [(name, list(dataclasses.fields(section))) for name, section in SECTIONS.items()]
 
 
 def _default(field: dataclasses.Field) -> str:

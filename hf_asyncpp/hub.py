@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .config import DataConfig
 from .provenance import software_versions
 
 __all__ = ["checkpoint_model_card", "eval_results", "model_card_facts", "parameter_counts", "push_to_hub",
@@ -79,7 +80,7 @@ def _first_line(text: str, limit: int = 80) -> str:
     return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
-def _data_facts(config) -> dict:
+def _data_facts(config: DataConfig) -> dict:
     """The card's data section for `config.dataset`: the offline corpus, a Hub dataset (linked, and its
     id under `hub_id` for the card's `datasets:` metadata) or local files."""
     from .data import is_hub_dataset_id

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .config import TrainConfig
+from .config import OptimizerConfig, TrainConfig
 from .optim import lr_scheduler_from_config, optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .optim.param_groups import decay_parameter_names
@@ -91,7 +91,7 @@ class Updates:
     gradient norm of each update, the largest version age, the updates skipped; the stages whose
     gradient was non-finite."""
 
-    def __init__(self, config: TrainConfig, layout, modules: list, stage_ids: list[int], gradients_averaged: bool):
+    def __init__(self, config: OptimizerConfig, layout, modules: list, stage_ids: list[int], gradients_averaged: bool):
         """`gradients_averaged`: FSDP has averaged the gradients over dp already (reduce-scatter)."""
         self.max_norm, self.layout, self.modules, self.stage_ids = config.max_grad_norm, layout, modules, stage_ids
         self.global_norm = config.clips_by_global_norm

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from hf_asyncpp.config import ConfigError, TrainConfig, load_config
+from hf_asyncpp.config import SECTIONS, ConfigError, TrainConfig, load_config
 from hf_asyncpp.config_checks import validate_config
 from hf_asyncpp.run import main
 
@@ -44,6 +44,50 @@ def test_the_optimizers_epsilon_and_the_schedules_own_arguments_reach_them():
         assert schedule.get_last_lr() == reference.get_last_lr()
         schedule.step()
         reference.step()
+
+
+def test_the_keys_come_in_sections_and_a_run_config_holds_them_all_flat():
+    """Every key belongs to one section (a dataclass per component); TrainConfig is all of them in the
+    sections' order and is each section; its dict, what YAML files, overrides and a study's arm settings
+    hold, stays flat."""
+    import dataclasses
+
+    section_keys = [f.name for section in SECTIONS.values() for f in dataclasses.fields(section)]
+    assert section_keys == [f.name for f in dataclasses.fields(TrainConfig)]
+    assert len(set(section_keys)) == len(section_keys)
+    config = load_config(DEFAULT_YAML)
+    assert all(isinstance(config, section) for section in SECTIONS.values())
+    assert list(dataclasses.asdict(config)) == section_keys
+    assert not any(dataclasses.is_dataclass(v) for v in dataclasses.asdict(config).values())
+
+
+def test_a_function_of_one_section_reads_that_section_alone():
+    """The checks of each section, the optimizer, the LR schedule and the model card's data facts run on
+    a bare section: a key of another section read there would raise AttributeError. Each check still
+    refuses a bad value of its own section."""
+    import typing
+
+    import torch
+
+    from hf_asyncpp import config_checks
+    from hf_asyncpp.config import DataConfig, OptimizerConfig
+    from hf_asyncpp.hub import _data_facts
+    from hf_asyncpp.optim import lr_scheduler_from_config, optimizer_from_config
+
+    assert len(config_checks._SECTION_CHECKS) == len(SECTIONS)
+    for check, section in zip(config_checks._SECTION_CHECKS, SECTIONS.values()):
+        assert typing.get_type_hints(check)["config"] is section, check.__name__
+        check(section())
+    bad = {"model": {"router_bias_update_rate": -1}, "data": {"eval_fraction": 1.0}, "pipeline": {"pp_size": 0},
+           "optimization": {"learning_rate": 0.0}, "run": {"logging_steps": 0}, "export": {"export_dtype": "int8"},
+           "checkpoints": {"save_steps": -1}, "failures": {"comm_timeout_s": 0.0}}
+    for check, (name, section) in zip(config_checks._SECTION_CHECKS, SECTIONS.items()):
+        with pytest.raises(ConfigError, match=next(iter(bad[name]))):
+            check(section(**bad[name]))
+    optimization = OptimizerConfig(optimizer="muon", max_steps=4)
+    optimizer = optimizer_from_config(optimization, [("layer.weight", torch.nn.Parameter(torch.zeros(4, 4)))])
+    assert lr_scheduler_from_config(optimization, optimizer).get_last_lr() == [optimization.learning_rate]
+    assert _data_facts(DataConfig())["name"] == "shakespeare"
 
 
 def test_a_value_of_the_wrong_type_names_the_key():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import OptimizerConfig
 from .lion import Lion
 from .muon import Muon
 from .param_groups import muon_param_groups, weight_decay_groups
@@ -43,8 +44,8 @@ def build_optimizer(name: str, named_params, learning_rate: float, momentum: flo
     raise ValueError(f"unknown optimizer '{name}'; available: {', '.join(OPTIMIZER_NAMES)}")
 
 
-def optimizer_from_config(config, named_params, decay_names=None):
-    """`build_optimizer` with every knob taken from a TrainConfig (or anything with its fields)."""
+def optimizer_from_config(config: OptimizerConfig, named_params, decay_names=None):
+    """`build_optimizer` with every knob taken from the optimization section (a TrainConfig is one)."""
     return build_optimizer(
         config.optimizer, named_params, config.learning_rate, config.momentum, config.beta2, config.weight_decay,
         eps=config.adam_epsilon, decay_names=decay_names, muon_lr_scale=config.muon_lr_scale,
@@ -53,7 +54,7 @@ def optimizer_from_config(config, named_params, decay_names=None):
     )
 
 
-def lr_scheduler_from_config(config, optimizer, updates_per_step: int = 1):
+def lr_scheduler_from_config(config: OptimizerConfig, optimizer, updates_per_step: int = 1):
     """transformers' LR schedule `lr_scheduler_type` (with `lr_scheduler_kwargs`) over max_steps steps
     of `updates_per_step` updates each (PipeDream updates once per microbatch)."""
     from transformers import get_scheduler
