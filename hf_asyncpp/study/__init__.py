@@ -1,13 +1,14 @@
 """Studies: grids of training runs over optimizer × delay mode × Error Feedback × momentum × depth ×
 seed, with a results table and figures (`hf-asyncpp study <study.yaml>`).
 
-Two phases, as the reference study ran them: each optimizer with several learning rates first picks,
-for each momentum value, the one whose synchronous run (first seed) ends with the lowest validation
-loss (tuning.json records the trials and picks); then every arm runs with the pick of its optimizer
-and momentum, delayed arms with the learning rate tuned for sync, unchanged.
+Learning rates are tuned first, by one rule (tuning.py: the lowest final validation loss on the first
+seed, an edge pick extended): under `lr_protocol: sync` each optimizer and momentum picks on its
+synchronous arms and every delayed arm reuses that pick; under `per_mode` each (optimizer, mode, EF,
+momentum) picks its own; `both` runs and reports the two side by side (tuning.json records trials and
+picks). Then every arm runs its seeds at its pick.
 The grid format is in grid.py, how arms run in runner.py, the table in results.py, the reference
-study's claims held against it in claims.py, the figures in figures.py, and the gap against the training
-budget across several studies in budget.py.
+study's claims held against it in claims.py (written out by claims_report.py), the figures in
+figures.py, and the gap against the training budget across several studies in budget.py.
 """
 
 from __future__ import annotations
@@ -15,30 +16,37 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..log import get_logger
+from .claims_report import (claims_markdown, headline_by_protocol, headline_markdown, verdicts_by_protocol,
+                            verdicts_markdown)
 from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study, mode_name
-from .claims import claims_markdown, headline_markdown, verdicts_markdown
 from .results import final_losses, results_rows, write_results
 from .processes import StudyStopped
 from .runner import check_arms, finished_record, run_arms
 from .tuning import per_mode_picks, sync_picks, tune, write_tuning
 
-__all__ = ["Arm", "Study", "StudyError", "StudyStopped", "known_arms", "load_study", "protocol_arms", "read_chosen", "read_per_mode",
-           "report", "run_study"]
+__all__ = ["Arm", "Study", "StudyError", "StudyStopped", "known_arms", "load_study", "protocol_arms",
+           "read_chosen", "read_per_mode", "report", "run_study"]
 
-PROTOCOL_HEADINGS = {
-    "sync": "**Protocol `sync`**: every arm of an optimizer and momentum at the learning rate tuned on its sync arms.",
-    "per_mode": "**Protocol `per_mode`**: each delayed mode (and EF λ) at the learning rate tuned on its own arms, "
-                "among the sync pick × the study's factors.",
+PROTOCOL_MEANINGS = {
+    "sync": "every arm of an optimizer and momentum at the learning rate tuned on its sync arms.",
+    "per_mode": "each delayed mode (and EF λ) at the learning rate tuned on its own arms, among the sync pick × "
+                "the study's factors.",
 }
 
 logger = get_logger(__name__)
 
 
+def _chosen(study: Study, sync) -> dict[tuple[str, float], float]:
+    """Each (optimizer, momentum)'s pick in the sync tuning `sync`, its first candidate where none has
+    finished."""
+    return {**study.first_learning_rates(), **sync.chosen()}
+
+
 def read_chosen(study: Study) -> dict[tuple[str, float], float]:
     """Each (optimizer, momentum)'s sync pick among its finished tuning arms (tuning.py), its first
     candidate where none has finished."""
-    return {**study.first_learning_rates(), **sync_picks(study).chosen()}
+    return _chosen(study, sync_picks(study))
 
 
 def read_per_mode(study: Study, sync_chosen: dict) -> dict[tuple, float]:
@@ -51,15 +59,23 @@ def known_arms(study: Study) -> list[Arm]:
     """Every arm the study runs, as far as its finished arms tell now: each tuning's candidates (with the
     extensions finished results have added) and each protocol's arms at the picks so far."""
     sync = sync_picks(study)
-    chosen = {**study.first_learning_rates(), **sync.chosen()}
+    chosen = _chosen(study, sync)
     arms = [study.tuning_arm(g, lr) for g, lrs in sync.candidates.items() for lr in lrs]
     per_mode = {}
     if "per_mode" in study.protocols:
         picks = per_mode_picks(study, chosen)
         per_mode = picks.chosen()
         arms += [study.tuning_arm(g, lr) for g, lrs in picks.candidates.items() for lr in lrs]
-    arms += [arm for protocol in study.protocols for arm in protocol_arms(study, protocol, chosen, per_mode)]
+    return _each_once(arms + _grid_arms(study, chosen, per_mode))
+
+
+def _each_once(arms: list[Arm]) -> list[Arm]:
     return list({arm.name: arm for arm in arms}.values())
+
+
+def _grid_arms(study: Study, sync_chosen: dict, per_mode: dict) -> list[Arm]:
+    """Every protocol's arms, each once (the protocols share their sync arms)."""
+    return _each_once([arm for protocol in study.protocols for arm in protocol_arms(study, protocol, sync_chosen, per_mode)])
 
 
 def protocol_arms(study: Study, protocol: str, sync_chosen: dict, per_mode: dict) -> list[Arm]:
@@ -76,7 +92,9 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     per_mode = read_per_mode(study, chosen)
     main = study.main_delayed_mode()
     main_mode = mode_name(*main) if main else None
-    rows, texts, figures, stale, reported = [], {"claims.md": [], "headline.md": [], "verdicts.md": []}, [], set(), {}
+    rows, claims, figures, stale, reported = [], [], [], set(), {}
+    losses: dict[str, dict] = {}  # per protocol, its finished arms' final losses
+    rows_of: dict[str, list[dict]] = {}  # per protocol, its results rows
     read: dict[str, dict | None] = {}  # arm name → its finished record (None: not finished with these settings)
     for protocol in study.protocols:
         arms = protocol_arms(study, protocol, chosen, per_mode)
@@ -87,18 +105,25 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
         records = [r for r in finished.values() if r is not None]
         reported.update({name: r for name, r in finished.items() if r is not None})
         stale |= {name for name, r in finished.items() if r is None and (study.output_dir / "arms" / name / "arm.json").is_file()}
-        protocol_rows = results_rows(records, protocol)
-        rows += protocol_rows
-        losses = final_losses(records)
-        heading = PROTOCOL_HEADINGS[protocol] + "\n\n" if len(study.protocols) > 1 else ""
-        texts["claims.md"].append(heading + claims_markdown(study, losses))
-        texts["verdicts.md"].append(heading + verdicts_markdown(study, losses))
-        texts["headline.md"].append(heading + headline_markdown(study, protocol_rows))
+        rows_of[protocol] = results_rows(records, protocol)
+        rows += rows_of[protocol]
+        losses[protocol] = final_losses(records)
+        heading = f"**Protocol `{protocol}`**: {PROTOCOL_MEANINGS[protocol]}\n\n" if len(study.protocols) > 1 else ""
+        claims.append(heading + claims_markdown(study, losses[protocol]))
         suffix = "" if protocol == study.protocols[0] else f"_{protocol}"
-        figures += write_figures(study.output_dir, protocol_rows, records, main_mode, suffix)
+        figures += write_figures(study.output_dir, rows_of[protocol], records, main_mode, suffix)
+    if len(study.protocols) > 1:
+        meanings = {protocol: PROTOCOL_MEANINGS[protocol] for protocol in study.protocols}
+        texts = {"verdicts.md": verdicts_by_protocol(study, losses, meanings),
+                 "headline.md": headline_by_protocol(study, rows_of, meanings)}
+    else:
+        (protocol,) = study.protocols
+        texts = {"verdicts.md": verdicts_markdown(study, losses[protocol]),
+                 "headline.md": headline_markdown(study, rows_of[protocol])}
+    texts["claims.md"] = "\n".join(claims)
     paths = write_results(study.output_dir, rows, list(reported.values()), failed or [], sorted(stale))
-    for name, parts in texts.items():
-        (study.output_dir / name).write_text("\n".join(parts))
+    for name, text in texts.items():
+        (study.output_dir / name).write_text(text)
         paths.append(study.output_dir / name)
     return [*paths, *figures]
 
@@ -114,16 +139,14 @@ def run_study(path: str | Path, log=logger.info) -> list[Path]:
     log(f"study: {study.name}: learning-rate protocol(s) {', '.join(study.protocols)}, {study.parallel} arms at a time, "
         f"launch {study.launch}")
     sync = tune(study, lambda: sync_picks(study), log)
-    chosen = {**study.first_learning_rates(), **sync.chosen()}
+    chosen = _chosen(study, sync)
     sync_arms = study.arms(chosen) if "sync" in study.protocols else []
     per_mode = None
     if "per_mode" in study.protocols:
         check_arms(study, per_mode_picks(study, chosen).unfinished_arms(study))
         per_mode = tune(study, lambda: per_mode_picks(study, chosen), log, alongside=sync_arms)
     write_tuning(study, sync, per_mode)
-    arms = list({arm.name: arm for protocol in study.protocols
-                 for arm in protocol_arms(study, protocol, chosen, per_mode.chosen() if per_mode else {})}.values())
-    outcomes = run_arms(study, arms, log)
+    outcomes = run_arms(study, _grid_arms(study, chosen, per_mode.chosen() if per_mode else {}), log)
     failed = sorted(name for name, outcome in outcomes.items() if outcome == "failed")
     paths = report(study, failed)
     log(f"study: {sum(o == 'done' for o in outcomes.values())} ran, {sum(o == 'skipped' for o in outcomes.values())} "

@@ -1,4 +1,5 @@
-"""The reference study's claims held against a study's finished arms: claims.md.
+"""The reference study's claims held against a study's finished arms: the rule and the claims
+(claims_report.py writes them out as claims.md, verdicts.md and headline.md).
 
 Each claim states what the reference study (Zmushko et al., ICML 2026) reports — numbers at 360M, dense,
 PipeDream-2BW, from its Tables 1 and 2, each printed with its source grade (reference.py records them and
@@ -39,11 +40,10 @@ from dataclasses import dataclass
 
 from .grid import Study, mode_name
 from .reference import (FINDINGS, MATCH_TOLERANCE, NAMES, RUNS_10B, RUNS_360M, REPORTED_SHARES, Published,
-                        grade_legend, share_notes, share_shown, where_of)
-from .results import ef_share, markdown_head, markdown_row, seeds_label, spread
+                        share_shown, where_of)
+from .results import ef_share
 
-__all__ = ["CLAIMS", "COMPARISONS", "Caveat", "Claim", "Effect", "claims_markdown", "headline_markdown", "verdict",
-           "verdicts_markdown"]
+__all__ = ["CLAIMS", "COMPARISONS", "Caveat", "Claim", "Effect", "Grid", "Judged", "std", "verdict"]
 
 # Two-sided 95% quantiles of Student's t, by degrees of freedom (seeds − 1), to 3 decimals.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -80,7 +80,7 @@ class Effect:
     measured: str  # what the arms show, in the claim's own terms
 
 
-class _Grid:
+class Grid:
     """A study's finished arms, as the claims read them: per-seed gaps of its modes."""
 
     def __init__(self, study: Study, losses: dict[tuple, dict[int, float]]):
@@ -110,7 +110,8 @@ class _Grid:
         return {seed: loss - sync[seed] for seed, loss in arm.items() if seed in sync}
 
 
-def _std(values) -> float:
+def std(values) -> float:
+    """The sample standard deviation of per-seed values (0 for one seed)."""
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
@@ -129,7 +130,7 @@ def _common(a: dict[int, float], b: dict[int, float]) -> tuple[dict[int, float],
     return {s: v for s, v in a.items() if s in b}, {s: v for s, v in b.items() if s in a}
 
 
-def _optimizer_gaps(g: _Grid) -> list[Effect]:
+def _optimizer_gaps(g: Grid) -> list[Effect]:
     mode = g.main
     if mode is None or "adamw" not in g.optimizers:
         return []
@@ -139,7 +140,7 @@ def _optimizer_gaps(g: _Grid) -> list[Effect]:
             for adamw, theirs in [_common(g.gap("adamw", mode, m), g.gap(other, mode, m))]]
 
 
-def _ef_matches_sync(g: _Grid) -> list[Effect]:
+def _ef_matches_sync(g: Grid) -> list[Effect]:
     mode = g.ef_main
     if mode is None:
         return []
@@ -147,7 +148,7 @@ def _ef_matches_sync(g: _Grid) -> list[Effect]:
             for o in g.optimizers for m in g.momentums for gap in [g.gap(o, mode, m, g.ef)]]
 
 
-def _ef_removes_half(g: _Grid) -> list[Effect]:
+def _ef_removes_half(g: Grid) -> list[Effect]:
     mode = g.ef_main
     if mode is None:
         return []
@@ -166,7 +167,7 @@ def _ef_removes_half(g: _Grid) -> list[Effect]:
     return effects
 
 
-def _momentum(g: _Grid) -> list[Effect]:
+def _momentum(g: Grid) -> list[Effect]:
     mode = g.main
     if mode is None or len(g.momentums) < 2:
         return []
@@ -175,8 +176,8 @@ def _momentum(g: _Grid) -> list[Effect]:
             for o in g.optimizers for a, b in [_common(g.gap(o, mode, low), g.gap(o, mode, high))]]
 
 
-def _growth_with_depth(schedule: str) -> Callable[[_Grid], list[Effect]]:
-    def effects(g: _Grid) -> list[Effect]:
+def _growth_with_depth(schedule: str) -> Callable[[Grid], list[Effect]]:
+    def effects(g: Grid) -> list[Effect]:
         if len(g.depths.get(schedule, [])) < 2:
             return []
         shallow, deep = g.mode(schedule), g.mode(schedule, deepest=True)
@@ -185,7 +186,7 @@ def _growth_with_depth(schedule: str) -> Callable[[_Grid], list[Effect]]:
     return effects
 
 
-def _pipedream_against_2bw(g: _Grid) -> list[Effect]:
+def _pipedream_against_2bw(g: Grid) -> list[Effect]:
     common = sorted(set(g.depths.get("pipedream", [])) & set(g.depths.get("pipedream-2bw", [])))
     if not common:
         return []
@@ -194,13 +195,13 @@ def _pipedream_against_2bw(g: _Grid) -> list[Effect]:
             for o in g.optimizers for m in g.momentums for a, b in [_common(g.gap(o, pd, m), g.gap(o, bw, m))]]
 
 
-def _sync_start_against_delays(g: _Grid) -> list[Effect]:
+def _sync_start_against_delays(g: Grid) -> list[Effect]:
     return [Effect(f"{o}, momentum {m:g}, {twin} − {start}", _paired(a, b), f"{twin} {_mean(a)}, {start} {_mean(b)}")
             for start, twin, _ in g.sync_starts for o in g.optimizers for m in g.momentums
             for a, b in [_common(g.gap(o, twin, m), g.gap(o, start, m))]]
 
 
-def _sync_start_against_ef(g: _Grid) -> list[Effect]:
+def _sync_start_against_ef(g: Grid) -> list[Effect]:
     return [Effect(f"{o}, momentum {m:g}, {start} − {twin} with EF", _paired(a, b),
                    f"{start} {_mean(a)}, {twin} with EF {_mean(b)}")
             for start, twin, with_ef in g.sync_starts if with_ef for o in g.optimizers for m in g.momentums
@@ -250,9 +251,9 @@ class Claim:
     published: str
     effect: str  # the per-seed difference its effects measure
     expect_positive: bool  # the claim predicts its effects > tolerance (else: not > tolerance)
-    effects: Callable[[_Grid], list[Effect]]
+    effects: Callable[[Grid], list[Effect]]
     tolerance: Published | None = None  # how far the effect may exceed 0 and the claim still hold
-    caveat: Callable[[_Grid], Caveat | None] = lambda grid: None
+    caveat: Callable[[Grid], Caveat | None] = lambda grid: None
 
     @property
     def unpublished(self) -> bool:
@@ -311,23 +312,10 @@ def _tally(verdicts: list[str]) -> str:
     return "; ".join(f"{v}: {verdicts.count(v)}" for v in dict.fromkeys(verdicts))
 
 
-def _effect_range(claim: Claim, effects: list[Effect]) -> str:
-    """The claim's effect as its effects' means span, with their seed counts: the table's one number."""
-    measured = [e.values for e in effects if e.values]
-    if not measured:
-        return "–"
-    means = sorted(statistics.fmean(values) for values in measured)
-    seeds = sorted({len(values) for values in measured})
-    low, high = f"{means[0]:+.3f}", f"{means[-1]:+.3f}"
-    span = low if low == high else f"{low} to {high}"
-    count = seeds_label(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]} seeds"
-    return f"{claim.effect}: {span} ({count})"
-
-
-class _Judged:
+class Judged:
     """A claim with its effects in one grid, and the verdicts the tables print for them."""
 
-    def __init__(self, claim: Claim, grid: _Grid):
+    def __init__(self, claim: Claim, grid: Grid):
         self.claim, self.effects, self.caveat = claim, claim.effects(grid), claim.caveat(grid)
 
     def verdict(self, values: list[float]) -> str:
@@ -350,112 +338,3 @@ class _Judged:
         sign = ">" if self.claim.expect_positive else "not >"
         threshold = f"{self.claim.tolerance.cited} (the tolerance)" if self.claim.tolerance else "0"
         return f"{'holds when' if self.claim.unpublished else 'predicted'} {sign} {threshold}"
-
-
-def _verdict_rows(judged: list[_Judged]) -> list[str]:
-    """The verdicts table: a line per claim (or per comparison, without the published column)."""
-    published = not any(j.claim.unpublished for j in judged)
-    lines = markdown_head(["claim" if published else "comparison",
-                           *(["published, with its grade (360M dense, PipeDream-2BW, unless said)"]
-                             if published else []),
-                           "effect here", "verdicts here"])
-    for j in judged:
-        lines.append(markdown_row([j.claim.statement, *([j.claim.published] if published else []),
-                                   _effect_range(j.claim, j.effects), j.verdicts()]))
-    return lines
-
-
-def _notes(judged: list[_Judged]) -> list[str]:
-    """What the verdicts table's cells rest on: the grades, the contradicted shares, the tolerance, the caveats."""
-    notes = [grade_legend(), *share_notes()]
-    for j in judged:
-        if j.claim.tolerance:
-            notes.append(f"\"{j.claim.statement}\" is judged against a tolerance of {j.claim.tolerance.cited}, "
-                         f"{j.claim.tolerance.what}: reproduced when the effect's mean over seeds "
-                         "is at most it, not reproduced when it exceeds it by more than the 95% t bound, else not "
-                         "beyond noise (a tolerance of 0 would fail the reference's own result).")
-        if j.caveat and j.effects:
-            notes.append(f"\"{j.claim.statement}\": {j.caveat.label}: {j.caveat.reason}.")
-    return ["", *(f"- {note}" for note in notes)]
-
-
-def _effect_tables(judged: list[_Judged]) -> list[str]:
-    """Each claim's effects, a table of them under its statement."""
-    lines = []
-    for j in judged:
-        if not j.effects:
-            continue
-        lines += ["", f"**{j.claim.statement}**: effect = {j.claim.effect}, {j.prediction()}", ""]
-        if j.caveat:
-            lines += [f"{j.caveat.label.capitalize()}: {j.caveat.reason}.", ""]
-        lines += markdown_head(["compared", "measured (means over the effect's seeds)", "effect", "verdict"])
-        for e in j.effects:
-            effect = spread(statistics.fmean(e.values), _std(e.values), len(e.values)) if e.values else "–"
-            lines.append(markdown_row([e.subject, e.measured, effect, j.verdict(e.values)]))
-    return lines
-
-
-def _verdicts_block(judged: list[_Judged]) -> list[str]:
-    return [*_verdict_rows(judged), *_notes(judged)]
-
-
-def verdicts_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
-    """verdicts.md, the table README Results quotes: a line per claim (what is published with its grade, the
-    span of its effects here, the verdicts' tally with the tolerance or caveat they are read under), and the
-    notes those rest on; claims.md opens with it."""
-    grid = _Grid(study, losses)
-    return "\n".join(_verdicts_block([_Judged(claim, grid) for claim in CLAIMS])) + "\n"
-
-
-def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
-    """claims.md: the verdicts table (verdicts_markdown), then each claim's effects; then, when the grid
-    runs a sync start, the comparisons no result is published for, the same way."""
-    grid = _Grid(study, losses)
-    judged = [_Judged(claim, grid) for claim in CLAIMS]
-    lines = ["The reference study's claims against this grid's finished arms (rule: hf_asyncpp/study/claims.py).",
-             "An effect is a per-seed difference of final validation losses; with several seeds it counts when",
-             "its mean differs from the claim's tolerance (0 unless stated) by more than the two-sided 95%",
-             "Student-t bound of a paired test.", "",
-             *_verdicts_block(judged), *_effect_tables(judged)]
-    compared = [j for j in (_Judged(comparison, grid) for comparison in COMPARISONS) if j.effects]
-    if compared:
-        lines += ["", "## Sync start: no published result", "",
-                  "The reference study lists a synchronous start among the baselines it compares and reports no",
-                  "result for it. The same rule, its \"reproduced\" read as \"holds\" (\"agrees\" as \"holds\"",
-                  "on one seed):", "", *_verdict_rows(compared), *_effect_tables(compared)]
-    return "\n".join(lines) + "\n"
-
-
-def _headline_cell(values: list[tuple[dict | None, str, bool]]) -> str:
-    """Seed means ± their spread, each from a results row (row, column, signed), with the seed count
-    printed once when all have the same; "–" when any is not measured yet."""
-    if any(row is None or row[column] is None for row, column, _ in values):
-        return "–"
-    counts = {row["seeds"] for row, _, _ in values}
-    shown = [spread(row[column], row[column + "_std"], row["seeds"], signed, count=len(counts) > 1)
-             for row, column, signed in values]
-    return ", ".join(shown) + (f" ({seeds_label(counts.pop())})" if len(counts) == 1 else "")
-
-
-def headline_markdown(study: Study, rows: list[dict]) -> str:
-    """headline.md, the table README Results quotes: per optimizer, the published sync loss, gap and gap
-    with EF (each with its grade) beside this grid's at each momentum, for PipeDream-2BW at the grid's
-    smallest depth; under it, what the grades mean."""
-    grid = _Grid(study, {})
-    mode, ef_mode = grid.main, grid.ef_main
-    by_key = {(r["optimizer"], r["momentum"], r["ef_lambda"], r["mode"]): r for r in rows}
-    lines = markdown_head(["optimizer", "published, 360M dense (Tables 1–2): sync, gap, gap with EF",
-                           *(f"here, momentum {m:g}" for m in study.momentums)])
-    for o in study.learning_rates:
-        published = "–"
-        if o in RUNS_360M:
-            runs = RUNS_360M[o]
-            published = ", ".join(r.cited for r in (runs.sync, runs.gap(), runs.gap("ef")))
-        cells = []
-        for m in study.momentums:
-            values = [(by_key.get((o, m, 0.0, "sync")), "val_loss", False), (by_key.get((o, m, 0.0, mode)), "gap", True)]
-            if ef_mode is not None:
-                values.append((by_key.get((o, m, grid.ef, ef_mode)), "gap", True))
-            cells.append(_headline_cell(values))
-        lines.append(markdown_row([NAMES.get(o, o), published, *cells]))
-    return "\n".join([*lines, "", grade_legend()]) + "\n"

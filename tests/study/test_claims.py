@@ -12,7 +12,8 @@ import pytest
 from scipy import stats
 
 from hf_asyncpp.study import load_study
-from hf_asyncpp.study.claims import CLAIMS, COMPARISONS, claims_markdown, headline_markdown, verdict, verdicts_markdown
+from hf_asyncpp.study.claims import CLAIMS, COMPARISONS, verdict
+from hf_asyncpp.study.claims_report import claims_markdown, headline_markdown, verdicts_markdown
 from hf_asyncpp.study.reference import MATCH_TOLERANCE, RUNS_360M
 from hf_asyncpp.study.grid import Arm
 from hf_asyncpp.study.results import final_losses, results_rows
@@ -263,33 +264,6 @@ def test_claims_without_their_arms_say_so_and_a_grid_without_their_modes_has_non
     sync_only = dataclasses.replace(study, modes=[("sync", 1, 0)])
     verdicts = {row[0]: row[-1] for row in _table(claims_markdown(sync_only, {}), "| claim |")[1:]}
     assert set(verdicts.values()) == {"not in this grid"}
-
-
-def test_the_headline_puts_each_optimizers_published_numbers_beside_its_seed_means(tmp_path):
-    study = _study(tmp_path)
-    header, adamw, muon = _table(headline_markdown(study, results_rows(_records())), "| optimizer |")
-    assert header[2:] == ["here, momentum 0.9", "here, momentum 0.95"]
-    # sync 3.0, 3.1, 3.2; AdamW's 2BW@2 gaps 0.51, 0.48, 0.50 (sd 0.015), with EF 0.21, 0.18, 0.20.
-    # The published numbers, each with its grade: AdamW's all from one source, Muon's Table 1 from two.
-    assert adamw == ["AdamW", "2.612 [S1], +0.278 [S1], +0.028 [S1]",
-                     "3.100 ± 0.100, +0.497 ± 0.015, +0.197 ± 0.015 (3 seeds)",
-                     "3.100 ± 0.100, +0.497 ± 0.015, +0.197 ± 0.015 (3 seeds)"]
-    assert muon[:3] == ["Muon", "2.578 [V2], +0.012 [V2], +0.005 [S1]",
-                        "3.100 ± 0.100, +0.047 ± 0.015, -0.003 ± 0.015 (3 seeds)"]
-
-
-def test_a_headline_cell_counts_seeds_per_value_when_they_differ_and_waits_for_missing_arms(tmp_path):
-    def kept(r):  # AdamW's EF arm of seed 2 not finished; Muon's EF arms at momentum 0.95 none
-        a = r["arm"]
-        if a["ef_lambda"] and a["optimizer"] == "adamw" and a["seed"] == 2:
-            return False
-        return not (a["ef_lambda"] and a["optimizer"] == "muon" and a["momentum"] == 0.95)
-    rows = results_rows([r for r in _records() if kept(r)])
-    _, adamw, muon = _table(headline_markdown(_study(tmp_path), rows), "| optimizer |")
-    assert adamw[2] == "3.100 ± 0.100 (3 seeds), +0.497 ± 0.015 (3 seeds), +0.195 ± 0.021 (2 seeds)"
-    assert muon[3] == "–"
-    one_seed = results_rows([r for r in _records() if r["arm"]["seed"] == 0])
-    assert _table(headline_markdown(_study(tmp_path), one_seed), "| optimizer |")[1][2] == "3.000, +0.510, +0.210 (1 seed)"
 
 
 def test_a_sync_start_is_compared_with_delays_from_the_first_step_and_with_ef_apart_from_the_claims(tmp_path):

@@ -138,16 +138,16 @@ def test_ef_modes_naming_a_mode_the_grid_does_not_delay_or_leaving_one_without_a
     (["sync", "pipedream@2", "wpipe@4"], None),  # the reference's claims are about 2BW
 ])
 def test_the_main_delayed_mode_is_2bw_at_its_smallest_depth_without_a_sync_start(tmp_path, modes, main):
-    from hf_asyncpp.study.claims import _Grid
+    from hf_asyncpp.study.claims import Grid
 
     study = _study(tmp_path, modes=modes, depth=2)
     found = study.main_delayed_mode()
     assert (mode_name(*found) if found else None) == main
-    assert _Grid(study, {}).main == main
+    assert Grid(study, {}).main == main
 
 
 def test_without_ef_on_the_claims_mode_the_ef_claims_are_not_in_the_grid(tmp_path):
-    from hf_asyncpp.study.claims import claims_markdown, headline_markdown
+    from hf_asyncpp.study.claims_report import claims_markdown, headline_markdown
     from tests.study.test_results import _table
 
     study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream-2bw@4"], ef_modes=["pipedream-2bw@4"])
