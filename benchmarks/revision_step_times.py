@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "revision_step_times.json"
 # The emulated arm: PipeDream-2BW at depth 2 with Muon and Error Feedback on one process, keys every
-# revision since the executors' introduction understands; measured steps skip the first `_SKIPPED`.
+# revision since 544ee76 understands; measured steps skip the first `_SKIPPED`.
 _EMULATED = ["--pp_size", "1", "--schedule", "pipedream-2bw", "--emulate_pp_size", "2", "--optimizer", "muon",
              "--learning_rate", "0.01", "--ef", "true", "--eval_fraction", "0", "--save_final", "false",
              "--report_to", "none", "--logging_steps", "1"]

@@ -92,7 +92,7 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     per_mode = read_per_mode(study, chosen)
     main = study.main_delayed_mode()
     main_mode = mode_name(*main) if main else None
-    rows, claims, figures, stale, reported = [], [], [], set(), {}
+    claims, figures, stale, reported = [], [], set(), {}
     losses: dict[str, dict] = {}  # per protocol, its finished arms' final losses
     rows_of: dict[str, list[dict]] = {}  # per protocol, its results rows
     read: dict[str, dict | None] = {}  # arm name → its finished record (None: not finished with these settings)
@@ -106,7 +106,6 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
         reported.update({name: r for name, r in finished.items() if r is not None})
         stale |= {name for name, r in finished.items() if r is None and (study.output_dir / "arms" / name / "arm.json").is_file()}
         rows_of[protocol] = results_rows(records, protocol)
-        rows += rows_of[protocol]
         losses[protocol] = final_losses(records)
         heading = f"**Protocol `{protocol}`**: {PROTOCOL_MEANINGS[protocol]}\n\n" if len(study.protocols) > 1 else ""
         claims.append(heading + claims_markdown(study, losses[protocol]))
@@ -121,6 +120,7 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
         texts = {"verdicts.md": verdicts_markdown(study, losses[protocol]),
                  "headline.md": headline_markdown(study, rows_of[protocol])}
     texts["claims.md"] = "\n".join(claims)
+    rows = [row for protocol_rows in rows_of.values() for row in protocol_rows]
     paths = write_results(study.output_dir, rows, list(reported.values()), failed or [], sorted(stale))
     for name, text in texts.items():
         (study.output_dir / name).write_text(text)
