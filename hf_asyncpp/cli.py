@@ -31,6 +31,10 @@ commands:
   study STUDY.yaml [--report-only]           run (or continue) a study: optimizer × delay × EF × momentum ×
                                             depth × seed; writes results.md/.csv/.json and figures;
                                             says how many arms are left and about how long they take
+  study STUDY.yaml --reproduce [ARM ...] [--steps N] [--tolerance T]
+                                            rerun finished arms (all without names) at this code, each
+                                            whole or its first N steps, and hold each to its record
+                                            (reproductions.json/.md); exits 1 if one disagrees
   study --budget-figure OUT_DIR STUDY.yaml STUDY.yaml [...]
                                             the gap against tokens per parameter from studies of
                                             different model sizes on the same data (their results.json)

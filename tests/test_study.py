@@ -101,14 +101,14 @@ def test_a_small_study_runs_its_table_follows_the_arms_metrics_and_a_crashed_arm
     # crashes: it is reported (failed.txt, no arm.json, failed_arms) and the others finish.
     from hf_asyncpp.study import runner
 
-    real_command = runner._command
+    real_command = runner.arm_command
 
     def crash_one(study, arm):
         if arm.ef_lambda and arm.seed == 1:
             return [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
         return real_command(study, arm)
 
-    monkeypatch.setattr(runner, "_command", crash_one)
+    monkeypatch.setattr(runner, "arm_command", crash_one)
     base = study_file.parent / "base.yaml"
     base.write_text(base.read_text().replace("logging_steps: 1", "logging_steps: 2"))
     messages.clear()

@@ -1,4 +1,5 @@
-"""The `hf-asyncpp study` command: run or continue a study, rewrite its report, or draw the budget figure."""
+"""The `hf-asyncpp study` command: run or continue a study, rewrite its report, rerun finished arms to check
+they reproduce, or draw the budget figure."""
 
 from __future__ import annotations
 
@@ -13,20 +14,34 @@ def main(argv: list[str]) -> int:
 
     from . import StudyError, StudyStopped, known_arms, load_study, report, run_study
     from .budget import write_budget_figure
+    from .reproduce import TOLERANCE, reproduce_arms
     from .runner import progress
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp study")
     parser.add_argument("study", nargs="+")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the table and figures and say how far the grid is, run nothing")
+    parser.add_argument("--reproduce", nargs="*", metavar="ARM",
+                        help="rerun these finished arms (all of them if none is named) at this code and compare "
+                             "each with its record; exits 1 if one does not agree")
+    parser.add_argument("--steps", type=int, help="with --reproduce: stop each rerun after this step and compare "
+                                                  "the records up to there")
+    parser.add_argument("--tolerance", type=float, help="with --reproduce: the largest difference that agrees "
+                                                        f"(default {TOLERANCE})")
     parser.add_argument("--budget-figure", metavar="OUT_DIR",
                         help="draw the gap against tokens per parameter from the studies' results, run nothing")
     args = parser.parse_args(argv)
     if args.budget_figure is None and len(args.study) > 1:
         parser.error("one study at a time, or several with --budget-figure")
-    if args.budget_figure is not None and args.report_only:
-        parser.error("--budget-figure reads the studies' reports: write them first with --report-only")
+    if sum(x is not None and x is not False for x in (args.budget_figure, args.report_only, args.reproduce)) > 1:
+        parser.error("one of --report-only, --reproduce and --budget-figure at a time")
+    if args.reproduce is None and (args.steps is not None or args.tolerance is not None):
+        parser.error("--steps and --tolerance go with --reproduce")
     try:
+        if args.reproduce is not None:
+            compared = reproduce_arms(load_study(args.study[0]), args.reproduce, args.steps,
+                                      TOLERANCE if args.tolerance is None else args.tolerance)
+            return 0 if all(c["agrees"] for c in compared) else 1
         if args.budget_figure is not None:
             paths = write_budget_figure(args.budget_figure, [load_study(path) for path in args.study])
         elif args.report_only:

@@ -9,9 +9,11 @@ by a KeyboardInterrupt that would lose their steps since the last checkpoint.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
+import time
 from typing import Callable
 
 from ..resilience import signals_handled
@@ -49,9 +51,12 @@ class ArmProcesses:
             for process in self._running:
                 process.send_signal(signal.SIGTERM)
 
-    def run(self, command: list[str], out, err, env: dict, started: Callable[[int], None]) -> int | None:
+    def run(self, command: list[str], out, err, started: Callable[[int], None],
+            stop_when: Callable[[], bool] | None = None) -> int | None:
         """Run an arm's command to its end and return its exit status; `started(pid)` is called once it
-        runs. None, and nothing run, once the study is stopping."""
+        runs, and once `stop_when()` (asked four times a second) is true the arm is sent SIGTERM, as on a stop
+        signal. None, and nothing run, once the study is stopping."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its log lines as they happen
         with self._lock:
             if self.stop_signal is not None:
                 return None
@@ -59,6 +64,12 @@ class ArmProcesses:
             self._running.add(process)
         try:
             started(process.pid)
+            if stop_when is not None:
+                while process.poll() is None:
+                    if stop_when():
+                        process.send_signal(signal.SIGTERM)
+                        break
+                    time.sleep(0.25)
             return process.wait()
         finally:
             with self._lock:

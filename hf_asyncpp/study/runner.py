@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -34,7 +33,7 @@ from ..provenance import NUMERICS, machine, software_versions, source_commit
 from .grid import Arm, Study, StudyError
 from .processes import ArmProcesses, StudyStopped
 
-__all__ = ["arm_config", "arm_dir", "check_arms", "finished_record", "progress", "run_arms"]
+__all__ = ["arm_command", "arm_config", "arm_dir", "check_arms", "finished_record", "progress", "run_arms"]
 
 logger = get_logger(__name__)
 
@@ -87,7 +86,8 @@ def check_arms(study: Study, arms: list[Arm]) -> None:
             raise StudyError(f"arm {arm.name}: {err}") from None
 
 
-def _command(study: Study, arm: Arm) -> list[str]:
+def arm_command(study: Study, arm: Arm) -> list[str]:
+    """The command that runs `arm` into its directory."""
     prefix = [sys.executable, "-m", "hf_asyncpp.run"] if study.launch == "emulator" else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(arm.depth), "-m", "hf_asyncpp.run"]
     return [*prefix, "--config", str(study.base_config), *_cli(_overrides(study, arm))]
@@ -247,14 +247,13 @@ def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
         _drop_checkpoints(directory)  # another run's, or none
     provenance = {"numerics": NUMERICS, "commit": source_commit(), "versions": software_versions(), "machine": machine()}
     start = time.time()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     mode = "a" if resumed_after else "w"
 
     def started(pid: int) -> None:
         (directory / RUNNING).write_text(json.dumps({"settings": settings, "numerics": NUMERICS, "pid": pid}))
 
     with open(directory / "stdout.txt", mode) as out, open(directory / "stderr.txt", mode) as err:
-        status = processes.run(_command(study, arm), out, err, env, started)
+        status = processes.run(arm_command(study, arm), out, err, started)
     if status is None:
         return "not started"
     final = _final_eval(directory, settings["config"]["max_steps"])

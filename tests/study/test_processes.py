@@ -24,8 +24,7 @@ def test_a_stop_sends_sigterm_to_each_running_arm_and_starts_no_more(tmp_path):
 
     def run_arm(name):
         with open(tmp_path / f"{name}.out", "w") as out:
-            statuses.append(processes.run([sys.executable, "-c", _ARM], out, subprocess.DEVNULL, dict(os.environ),
-                                          pids.append))
+            statuses.append(processes.run([sys.executable, "-c", _ARM], out, subprocess.DEVNULL, pids.append))
 
     arms = [threading.Thread(target=run_arm, args=(name,)) for name in ("a", "b")]
     for arm in arms:
@@ -39,8 +38,20 @@ def test_a_stop_sends_sigterm_to_each_running_arm_and_starts_no_more(tmp_path):
     for arm in arms:
         arm.join(timeout=30)
     assert statuses == [7, 7] and processes.stop_signal == signal.SIGTERM
-    assert processes.run([sys.executable, "-c", _ARM], None, None, dict(os.environ), started.append) is None
+    assert processes.run([sys.executable, "-c", _ARM], None, None, started.append) is None
     assert started == []  # nothing started
+
+
+def test_an_arm_is_sent_sigterm_once_its_stop_condition_holds_and_the_others_run_on(tmp_path):
+    processes = ArmProcesses(lambda *_: None)
+    counting = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+                "for i in range(600): print(i, flush=True); time.sleep(0.1)")
+    with open(tmp_path / "out", "w") as out:
+        start = time.monotonic()
+        status = processes.run([sys.executable, "-c", counting], out, subprocess.DEVNULL, lambda pid: None,
+                               stop_when=lambda: len((tmp_path / "out").read_text().split()) >= 5)
+    assert status == 7 and time.monotonic() - start < 30  # stopped, long before its 60 s
+    assert processes.stop_signal is None  # the study itself is not stopping
 
 
 def test_the_study_takes_the_stop_signals_while_it_runs_and_leaves_ignored_ones_ignored():

@@ -1,0 +1,122 @@
+"""Reproducing finished arms: a rerun is held to its record value by value (timings aside), a whole rerun
+by its final validation loss within the tolerance, a partial one by every value up to the step it was
+stopped at; a rerun that stopped short or lost a record does not agree."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from hf_asyncpp.study.reproduce import TOLERANCE, compare_records
+from tests.test_study import study_file  # noqa: F401  (the fixture)
+
+
+def _train(step, loss, seconds=1.0):
+    return {"step": step, "loss": loss, "grad_norm": 0.5, "learning_rate": 1e-3, "weight_version_age_per_stage": [1, 1],
+            "schedule": "pipedream-2bw", "step_time_s": seconds, "train_tokens_per_second": 100 / seconds,
+            "idle_fraction_per_rank": [0.1 * seconds, 0.2]}
+
+
+def _write(directory, records):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+def _run(losses, final, seconds=1.0):
+    records = [_train(10 * (i + 1), loss, seconds) for i, loss in enumerate(losses)]
+    return records + ([{"step": 10 * len(losses), "eval_loss": final, "eval_tokens": 64}] if final is not None else [])
+
+
+RECORDED = _run([5.0, 4.0, 3.5, 3.2], final=3.3)
+
+
+def test_a_bitwise_rerun_agrees_whatever_its_timings(tmp_path):
+    recorded = _write(tmp_path / "recorded", RECORDED)
+    rerun = _write(tmp_path / "rerun", _run([5.0, 4.0, 3.5, 3.2], final=3.3, seconds=7.0))
+    result = compare_records(recorded, rerun, max_steps=40)
+    assert result["bitwise"] and result["agrees"] and result["records"] == 5 and result["steps"] == 40
+    assert result["final_eval_loss"] == {"recorded": 3.3, "rerun": 3.3, "difference": 0.0}
+
+
+def test_a_whole_rerun_is_held_to_its_final_validation_loss_within_the_tolerance(tmp_path):
+    recorded = _write(tmp_path / "recorded", RECORDED)
+    close = compare_records(recorded, _write(tmp_path / "close", _run([5.0, 4.001, 3.5, 3.2], final=3.305)), 40)
+    assert close["agrees"] and not close["bitwise"]
+    assert close["max_difference"] == pytest.approx(0.005) and close["max_difference_at"] == "eval_loss at step 40"
+    far = compare_records(recorded, _write(tmp_path / "far", _run([5.0, 4.0, 3.5, 3.2], final=3.3 + 1.5 * TOLERANCE)), 40)
+    assert not far["agrees"] and far["final_eval_loss"]["difference"] == pytest.approx(1.5 * TOLERANCE)
+
+
+def test_a_rerun_that_stopped_short_of_the_end_or_of_its_step_does_not_agree(tmp_path):
+    recorded = _write(tmp_path / "recorded", RECORDED)
+    short = _write(tmp_path / "short", _run([5.0, 4.0], final=None))
+    whole = compare_records(recorded, short, max_steps=40)
+    assert not whole["agrees"] and whole["final_eval_loss"] is None and whole["bitwise"]  # what ran is equal
+    assert compare_records(recorded, short, max_steps=40, until=20)["agrees"]
+    assert not compare_records(recorded, short, max_steps=40, until=30)["agrees"]
+
+
+def test_a_partial_rerun_is_held_to_every_value_it_logged(tmp_path):
+    recorded = _write(tmp_path / "recorded", RECORDED)
+    moved = _write(tmp_path / "moved", _run([5.0, 4.0 + 2 * TOLERANCE, 3.5], final=None))
+    result = compare_records(recorded, moved, max_steps=40, until=30)
+    assert not result["agrees"] and result["max_difference_at"] == "loss at step 20"
+
+
+@pytest.mark.parametrize("change", ["missing record", "other schedule", "NaN"])
+def test_a_record_missing_or_differing_in_kind_does_not_agree(tmp_path, change):
+    records = [dict(r) for r in RECORDED]
+    if change == "missing record":
+        del records[1]
+    elif change == "other schedule":
+        records[1]["schedule"] = "1f1b"
+    else:
+        records[1]["loss"] = math.nan
+    result = compare_records(_write(tmp_path / "recorded", RECORDED), _write(tmp_path / "rerun", records), 40, until=40)
+    assert not result["agrees"] and not result["bitwise"]
+
+
+@pytest.mark.multirank
+def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_record_is_caught(
+        study_file, tmp_path, capsys):  # noqa: F811
+    from hf_asyncpp.cli import main
+    from hf_asyncpp.study import load_study, run_study
+    from hf_asyncpp.study.reproduce import reproduce_arms
+
+    base = yaml.safe_load((tmp_path / "base.yaml").read_text())
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**base, "max_steps": 40, "eval_steps": 10}))
+    raw = {**yaml.safe_load(study_file.read_text()), "modes": ["sync", "pipedream-2bw"], "ef": [1.0], "seeds": [0]}
+    study_file.write_text(yaml.safe_dump(raw))
+    run_study(study_file, log=lambda *_: None)
+    study = load_study(study_file)
+    (arm,) = [p.name for p in (study.output_dir / "arms").iterdir() if "-p2-" in p.name]
+
+    # Whole: every record equal, the final loss too.
+    (whole,) = reproduce_arms(study, [arm], log=lambda *_: None)
+    assert whole["agrees"] and whole["bitwise"] and whole["steps"] == 40 and whole["missing"] == 0
+    assert whole["final_eval_loss"]["difference"] == 0.0 and whole["numerics"]
+    rerun_dir = study.output_dir / "reproductions" / "arms" / arm
+    assert (rerun_dir / "metrics.jsonl").is_file() and not list(rerun_dir.glob("checkpoint-*"))
+
+    # Until step 3: stopped by SIGTERM long before its 40 steps, its records so far equal, no checkpoint left.
+    (partial,) = reproduce_arms(study, [arm], steps=3, log=lambda *_: None)
+    assert partial["agrees"] and partial["bitwise"] and 3 <= partial["steps"] < 40
+    assert partial["final_eval_loss"] is None and not list(rerun_dir.glob("checkpoint-*"))
+    kept = json.loads((study.output_dir / "reproductions.json").read_text())
+    assert kept[arm]["steps"] == partial["steps"]  # the latest comparison of each arm
+    assert f"| {arm} |" in (study.output_dir / "reproductions.md").read_text()
+
+    # A committed record that the code does not give: the command says so and exits 1.
+    metrics = study.output_dir / "arms" / arm / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records[0]["loss"] += 2 * TOLERANCE
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["study", str(study_file), "--reproduce", arm, "--steps", "3"]) == 1
+    assert "DOES NOT AGREE" in capsys.readouterr().err
+    # An arm that is not a finished one is one clear error, before anything runs.
+    assert main(["study", str(study_file), "--reproduce", "adamw-sync-m0.9-lr0.003-s9"]) == 2
+    assert "not a finished arm" in capsys.readouterr().err
