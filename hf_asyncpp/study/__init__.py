@@ -8,7 +8,8 @@ momentum) picks its own; `both` runs and reports the two side by side (tuning.js
 picks). Then every arm runs its seeds at its pick.
 The grid format is in grid.py, how arms run in runner.py, the table in results.py, the reference
 study's claims held against it in claims.py (written out by claims_report.py), the figures in
-figures.py, and the gap against the training budget across several studies in budget.py.
+figures.py, the gap against the training budget across several studies in budget.py, and rerunning
+finished arms to hold them to their records in reproduce.py.
 """
 
 from __future__ import annotations
