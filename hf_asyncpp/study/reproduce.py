@@ -136,8 +136,18 @@ def _rerun(study: Study, rerun_study: Study, arm: Arm, steps: int | None, proces
             "seconds": round(time.time() - start, 1), "commit": source_commit(), "numerics": NUMERICS}
 
 
+def _summary(entries: dict[str, dict]) -> str:
+    whole = [e for e in entries.values() if e["final_eval_loss"]]
+    line = (f"{len(entries)} finished arm{'s' * (len(entries) != 1)} rerun from their recorded settings: {sum(e['agrees'] for e in entries.values())} "
+            f"agree, {sum(e['bitwise'] for e in entries.values())} bit for bit; {len(whole)} whole")
+    if whole:
+        line += f" (final validation loss at most {max(abs(e['final_eval_loss']['difference']) for e in whole):.1e} apart)"
+    partial = sorted({e["steps"] for e in entries.values() if not e["final_eval_loss"]})
+    return line + (f", {len(entries) - len(whole)} to step {'/'.join(map(str, partial))}" if partial else "") + "."
+
+
 def _markdown(entries: dict[str, dict]) -> str:
-    lines = ["| arm | rerun at | steps compared | records | bitwise | largest difference | final validation loss, "
+    lines = [_summary(entries), "", "| arm | rerun at | steps compared | records | bitwise | largest difference | final validation loss, "
              "recorded → rerun | agrees |", "|---|---|---:|---:|---|---:|---|---|"]
     for name, e in sorted(entries.items()):
         final = e["final_eval_loss"]

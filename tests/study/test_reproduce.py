@@ -108,7 +108,9 @@ def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_
     assert partial["final_eval_loss"] is None and not list(rerun_dir.glob("checkpoint-*"))
     kept = json.loads((study.output_dir / "reproductions.json").read_text())
     assert kept[arm]["steps"] == partial["steps"]  # the latest comparison of each arm
-    assert f"| {arm} |" in (study.output_dir / "reproductions.md").read_text()
+    table = (study.output_dir / "reproductions.md").read_text()
+    assert f"| {arm} |" in table and table.startswith(
+        f"1 finished arm rerun from their recorded settings: 1 agree, 1 bit for bit; 0 whole, 1 to step {partial['steps']}.")
 
     # A committed record that the code does not give: the command says so and exits 1.
     metrics = study.output_dir / "arms" / arm / "metrics.jsonl"
