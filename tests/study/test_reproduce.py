@@ -122,3 +122,13 @@ def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_
     # An arm that is not a finished one is one clear error, before anything runs.
     assert main(["study", str(study_file), "--reproduce", "adamw-sync-m0.9-lr0.003-s9"]) == 2
     assert "not a finished arm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--steps", "3"], ["--tolerance", "0.1"], ["--reproduce", "--report-only"],
+                                  ["--reproduce", "--budget-figure", "out"]])
+def test_reproduce_options_alone_or_mixed_with_another_action_are_a_usage_error(argv, capsys):
+    from hf_asyncpp.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", "any.yaml", *argv])
+    assert exit_.value.code == 2 and "--" in capsys.readouterr().err
