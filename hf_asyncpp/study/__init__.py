@@ -85,12 +85,15 @@ def protocol_arms(study: Study, protocol: str, sync_chosen: dict, per_mode: dict
 
 
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
-    """Tables, claims, the two tables README Results quotes (headline, verdicts) and figures from the finished
-    arms (the ones in the grid; tuning-only arms are left out)."""
+    """Tables, claims, the two tables README Results quotes (headline, verdicts), figures and tuning.json from
+    the finished arms (the tables read the ones in the grid; tuning-only arms are left out)."""
     if not (study.output_dir / "arms").is_dir():
         raise StudyError(f"{study.output_dir} holds no arms, so there is nothing to report: run the study first")
-    chosen = read_chosen(study)
-    per_mode = read_per_mode(study, chosen)
+    sync = sync_picks(study)
+    chosen = _chosen(study, sync)
+    per_mode_tuning = per_mode_picks(study, chosen) if "per_mode" in study.protocols else None
+    per_mode = per_mode_tuning.chosen() if per_mode_tuning else {}
+    write_tuning(study, sync, per_mode_tuning)  # the picks as the finished arms give them now
     main = study.main_delayed_mode()
     main_mode = mode_name(*main) if main else None
     claims, figures, stale, reported = [], [], set(), {}
