@@ -50,10 +50,16 @@ def read_chosen(study: Study) -> dict[tuple[str, float], float]:
     return _chosen(study, sync_picks(study))
 
 
+def _per_mode_tuning(study: Study, sync_chosen: dict):
+    """The per_mode protocol's tuning as its finished arms give it; None when the study does not run it."""
+    return per_mode_picks(study, sync_chosen) if "per_mode" in study.protocols else None
+
+
 def read_per_mode(study: Study, sync_chosen: dict) -> dict[tuple, float]:
     """Each delayed group's own pick among its finished candidates (none before the per_mode protocol's
     tuning has finished one); {} when the study does not run that protocol."""
-    return per_mode_picks(study, sync_chosen).chosen() if "per_mode" in study.protocols else {}
+    tuning = _per_mode_tuning(study, sync_chosen)
+    return tuning.chosen() if tuning else {}
 
 
 def known_arms(study: Study) -> list[Arm]:
@@ -62,11 +68,10 @@ def known_arms(study: Study) -> list[Arm]:
     sync = sync_picks(study)
     chosen = _chosen(study, sync)
     arms = [study.tuning_arm(g, lr) for g, lrs in sync.candidates.items() for lr in lrs]
-    per_mode = {}
-    if "per_mode" in study.protocols:
-        picks = per_mode_picks(study, chosen)
-        per_mode = picks.chosen()
-        arms += [study.tuning_arm(g, lr) for g, lrs in picks.candidates.items() for lr in lrs]
+    per_mode_tuning = _per_mode_tuning(study, chosen)
+    per_mode = per_mode_tuning.chosen() if per_mode_tuning else {}
+    if per_mode_tuning:
+        arms += [study.tuning_arm(g, lr) for g, lrs in per_mode_tuning.candidates.items() for lr in lrs]
     return _each_once(arms + _grid_arms(study, chosen, per_mode))
 
 
@@ -91,7 +96,7 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
         raise StudyError(f"{study.output_dir} holds no arms, so there is nothing to report: run the study first")
     sync = sync_picks(study)
     chosen = _chosen(study, sync)
-    per_mode_tuning = per_mode_picks(study, chosen) if "per_mode" in study.protocols else None
+    per_mode_tuning = _per_mode_tuning(study, chosen)
     per_mode = per_mode_tuning.chosen() if per_mode_tuning else {}
     write_tuning(study, sync, per_mode_tuning)  # the picks as the finished arms give them now
     main = study.main_delayed_mode()
@@ -149,7 +154,6 @@ def run_study(path: str | Path, log=logger.info) -> list[Path]:
     if "per_mode" in study.protocols:
         check_arms(study, per_mode_picks(study, chosen).unfinished_arms(study))
         per_mode = tune(study, lambda: per_mode_picks(study, chosen), log, alongside=sync_arms)
-    write_tuning(study, sync, per_mode)
     outcomes = run_arms(study, _grid_arms(study, chosen, per_mode.chosen() if per_mode else {}), log)
     failed = sorted(name for name, outcome in outcomes.items() if outcome == "failed")
     paths = report(study, failed)

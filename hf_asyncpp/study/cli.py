@@ -26,14 +26,14 @@ def main(argv: list[str]) -> int:
                              "each with its record; exits 1 if one does not agree")
     parser.add_argument("--steps", type=int, help="with --reproduce: stop each rerun after this step and compare "
                                                   "the records up to there")
-    parser.add_argument("--tolerance", type=float, help="with --reproduce: the largest difference that agrees "
-                                                        f"(default {TOLERANCE})")
+    parser.add_argument("--tolerance", type=float, help="with --reproduce: how far a whole rerun's final "
+                                                        f"validation loss may lie from the record (default {TOLERANCE})")
     parser.add_argument("--budget-figure", metavar="OUT_DIR",
                         help="draw the gap against tokens per parameter from the studies' results, run nothing")
     args = parser.parse_args(argv)
     if args.budget_figure is None and len(args.study) > 1:
         parser.error("one study at a time, or several with --budget-figure")
-    if sum(x is not None and x is not False for x in (args.budget_figure, args.report_only, args.reproduce)) > 1:
+    if args.report_only + (args.reproduce is not None) + (args.budget_figure is not None) > 1:
         parser.error("one of --report-only, --reproduce and --budget-figure at a time")
     if args.reproduce is None and (args.steps is not None or args.tolerance is not None):
         parser.error("--steps and --tolerance go with --reproduce")

@@ -33,7 +33,7 @@ from ..provenance import NUMERICS, machine, software_versions, source_commit
 from .grid import Arm, Study, StudyError
 from .processes import ArmProcesses, StudyStopped
 
-__all__ = ["arm_command", "arm_config", "arm_dir", "check_arms", "finished_record", "progress", "run_arms"]
+__all__ = ["arm_command", "arm_config", "arm_dir", "check_arms", "drop_checkpoints", "finished_record", "progress", "run_arms"]
 
 logger = get_logger(__name__)
 
@@ -202,7 +202,8 @@ def _resumable_step(directory: Path, settings: dict) -> int:
     return int(saved[-1].name.rsplit("-", 1)[1])
 
 
-def _drop_checkpoints(directory: Path) -> None:
+def drop_checkpoints(directory: Path) -> None:
+    """Delete the training checkpoints in a run's directory."""
     for path in directory.glob("checkpoint-*"):
         shutil.rmtree(path, ignore_errors=True)
 
@@ -244,7 +245,7 @@ def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
     if resumed_after:
         log(f"study: {arm.name}: resuming after step {resumed_after}")
     else:
-        _drop_checkpoints(directory)  # another run's, or none
+        drop_checkpoints(directory)  # another run's, or none
     provenance = {"numerics": NUMERICS, "commit": source_commit(), "versions": software_versions(), "machine": machine()}
     start = time.time()
     mode = "a" if resumed_after else "w"
@@ -270,7 +271,7 @@ def _run_one(study: Study, arm: Arm, processes: ArmProcesses) -> str:
     if resumed_after:  # `seconds` are then the last part's
         record["resumed_after_step"] = resumed_after
     (directory / DONE).write_text(json.dumps(record, indent=1))
-    _drop_checkpoints(directory)
+    drop_checkpoints(directory)
     (directory / RUNNING).unlink(missing_ok=True)
     log(f"study: {arm.name}: eval_loss {final['eval_loss']:.4f} ({record['seconds']:.0f}s)")
     return "done"
