@@ -6,8 +6,8 @@
   processes, one pipeline stage each), trains (the loss falls), evaluates, and leaves an HF model
   directory that `from_pretrained` loads; its metrics.jsonl holds the keys the README names;
 - its test command is the one CI runs (.ci/run);
-- its Results tables are the committed study report's headline and verdicts tables, verbatim, and each
-  loss difference its prose quotes is one the committed report or arms give;
+- its Results table is the committed study report's headline table, verbatim (docs/studies.md quotes its
+  verdicts table likewise), and each loss difference its prose quotes is one the committed report or arms give;
 - every number of the reference study it (or docs/studies.md) quotes carries its source grade;
 - every relative link in it and in docs/ points at a file (and heading) that exists.
 """
@@ -95,14 +95,17 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     assert test_command.strip() in (REPO / ".ci" / "run").read_text()
 
 
-def test_the_results_tables_are_the_committed_reports_headline_and_verdicts():
-    """README Results quotes docs/results/<study>/headline.md and verdicts.md between markers; the staleness
-    test in test_shipped_configs.py keeps those files what the committed arms give, so the README cannot drift."""
-    quoted = re.findall(r"<!-- report: (\S+) -->\n(.*?)<!-- /report -->", _section("Results"), flags=re.S)
-    assert {Path(path).name for path, _ in quoted} >= {"headline.md", "verdicts.md"}, \
-        "README Results quotes the report's headline and verdicts tables"
-    for path, table in quoted:
-        assert table == (REPO / path).read_text(), f"README Results is not {path}: copy it in"
+@pytest.mark.parametrize("page, text, table", [("README Results", _section("Results"), "headline.md"),
+                                                ("docs/studies.md", (REPO / "docs" / "studies.md").read_text(),
+                                                 "verdicts.md")])
+def test_the_results_tables_are_the_committed_reports_headline_and_verdicts(page, text, table):
+    """README Results quotes docs/results/<study>/headline.md, docs/studies.md its verdicts.md, between
+    markers; the staleness test in test_shipped_configs.py keeps those files what the committed arms give,
+    so neither page can drift."""
+    quoted = re.findall(r"<!-- report: (\S+) -->\n(.*?)<!-- /report -->", text, flags=re.S)
+    assert table in {Path(path).name for path, _ in quoted}, f"{page} quotes the report's {table}"
+    for path, body in quoted:
+        assert body == (REPO / path).read_text(), f"{page} is not {path}: copy it in"
 
 
 def _seed_gaps(arms: dict[str, float]) -> set[str]:

@@ -90,7 +90,7 @@ def protocol_arms(study: Study, protocol: str, sync_chosen: dict, per_mode: dict
 
 
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
-    """Tables, claims, the two tables README Results quotes (headline, verdicts), figures and tuning.json from
+    """Tables, claims, headline.md and verdicts.md (quoted by README Results and docs/studies.md), figures and tuning.json from
     the finished arms (the tables read the ones in the grid; tuning-only arms are left out)."""
     if not (study.output_dir / "arms").is_dir():
         raise StudyError(f"{study.output_dir} holds no arms, so there is nothing to report: run the study first")

@@ -1,5 +1,5 @@
 """claims.md, verdicts.md and headline.md: the claims judged in claims.py, written out as the tables
-README Results quotes and the effects under them."""
+README Results (headline) and docs/studies.md (verdicts) quote, and the effects under them."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _effect_tables(judged: list[Judged]) -> list[str]:
 
 
 def verdicts_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
-    """verdicts.md, the table README Results quotes: a line per claim (what is published with its grade, the
+    """verdicts.md, the table docs/studies.md quotes: a line per claim (what is published with its grade, the
     span of its effects here, the verdicts' tally with the tolerance or caveat they are read under), and the
     notes those rest on; claims.md opens with it."""
     judged = [Judged(claim, Grid(study, losses)) for claim in CLAIMS]

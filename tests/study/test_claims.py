@@ -214,7 +214,7 @@ def test_muons_reported_share_stands_beside_the_share_its_own_losses_give(tmp_pa
 
 
 def test_the_verdicts_table_spans_each_claims_effects_with_their_seeds_and_opens_claims_md(tmp_path):
-    """README Results quotes verdicts.md: per claim, the smallest and largest effect mean and their seed counts."""
+    """docs/studies.md quotes verdicts.md: per claim, the smallest and largest effect mean and their seed counts."""
     study = _study(tmp_path)
     records = [r for r in _records() if not (r["arm"]["schedule"] == "pipedream" and r["arm"]["seed"] > 0)]
     table = verdicts_markdown(study, final_losses(records))
@@ -268,7 +268,7 @@ def test_claims_without_their_arms_say_so_and_a_grid_without_their_modes_has_non
 
 def test_a_sync_start_is_compared_with_delays_from_the_first_step_and_with_ef_apart_from_the_claims(tmp_path):
     """No result is published for a sync start: claims.md compares it under its own heading, by the same
-    rule, and the verdicts table README quotes leaves it out."""
+    rule, and the verdicts table docs/studies.md quotes leaves it out."""
     study = _study(tmp_path)
     text = claims_markdown(study, final_losses(_records()))
     claims, comparisons = text.split("## Sync start: no published result")

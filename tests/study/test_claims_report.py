@@ -1,4 +1,4 @@
-"""The two tables README Results quotes: the headline (each optimizer's published numbers, with their
+"""The two tables README Results and docs/studies.md quote: the headline (each optimizer's published numbers, with their
 grades, beside the grid's seed means) and, under several learning-rate protocols, both tables with a line
 per protocol (the claims' own tables are specified with their rule in test_claims.py)."""
 
