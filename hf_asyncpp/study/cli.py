@@ -22,8 +22,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the table and figures and say how far the grid is, run nothing")
     parser.add_argument("--reproduce", nargs="*", metavar="ARM",
-                        help="rerun these finished arms (all of them if none is named) at this code and compare "
-                             "each with its record; exits 1 if one does not agree")
+                        help="rerun these finished arms at this code and compare each with its record (none named: "
+                             "every finished arm not yet reproduced so under these numerics); exits 1 if one "
+                             "does not agree")
     parser.add_argument("--steps", type=int, help="with --reproduce: stop each rerun after this step and compare "
                                                   "the records up to there")
     parser.add_argument("--tolerance", type=float, help="with --reproduce: how far a whole rerun's final "

@@ -14,8 +14,10 @@ it has logged step `steps`, and every value up to there is held to PREFIX_RTOL: 
 starts at rounding size (8e-6 at step 10 in the case above) and only grows later (+0.024 by step 100),
 so a loose bound on the first steps would let it through. It costs steps/max_steps of a whole rerun.
 Either way `reproductions.json` in the study's output_dir keeps each arm's latest comparison (which
-commit reran it, how many records, the largest difference, the final losses) and `reproductions.md` the
-table of them.
+commit reran it, how many records, the largest difference, the final losses), written as each rerun ends,
+and `reproductions.md` the table of them. Named arms are always rerun; without names, only the finished
+arms whose kept comparison does not already answer the request under these numerics, so a long sweep
+stopped halfway continues with the same command.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import dataclasses
 import json
 import math
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -164,27 +167,57 @@ def _markdown(entries: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _covered(entry: dict | None, steps: int | None) -> bool:
+    """Whether an arm's kept comparison already answers this request under this code's numerics: an agreeing
+    whole rerun for a whole one; for one to step `steps`, any rerun that got that far within PREFIX_RTOL."""
+    if not entry or entry.get("numerics") != NUMERICS or not entry["agrees"]:
+        return False
+    if steps is None:
+        return entry["final_eval_loss"] is not None
+    return (entry["final_eval_loss"] is not None or entry["steps"] >= steps) and \
+        entry.get("max_relative_difference", math.inf) <= PREFIX_RTOL
+
+
+def _log_comparison(result: dict, log) -> None:
+    final = result["final_eval_loss"]
+    log(f"study: {result['arm']}: {result['records']} records to step {result['steps']}, largest difference "
+        f"{result['max_difference']:.1e}" + (f", final validation loss {final['difference']:+.1e}" if final else "")
+        + ("" if result["agrees"] else f": DOES NOT AGREE ({result['held_to']})"))
+
+
 def reproduce_arms(study: Study, names: list[str] | None = None, steps: int | None = None,
                    tolerance: float = TOLERANCE, log=logger.info) -> list[dict]:
-    """Rerun the named finished arms (all of them without names) `study.parallel` at a time, each whole or
-    its first `steps` steps, and record how each compares; returns this run's comparisons (none for an arm
-    a signal stopped). `reproductions.json` / `.md` keep every arm's latest."""
+    """Rerun the named finished arms `study.parallel` at a time, each whole or its first `steps` steps, and
+    record how each compares; returns this run's comparisons (none for an arm a signal stopped). Without
+    names, every finished arm whose kept comparison does not already answer the request under these
+    numerics, so a sweep that was stopped continues where it stopped. `reproductions.json` / `.md` keep
+    every arm's latest comparison, each written as soon as it is made."""
     if steps is not None and steps < 1:
         raise StudyError("--steps must be at least 1")
     arms = _chosen_arms(study, names)
+    path, table = study.output_dir / "reproductions.json", study.output_dir / "reproductions.md"
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    if not names:
+        covered = {arm.name for arm in arms if _covered(entries.get(arm.name), steps)}
+        if covered:
+            log(f"study: {len(covered)} of {len(arms)} finished arms already reproduced "
+                f"{'whole' if steps is None else f'to step {steps} or further'} under these numerics are not "
+                "rerun (name an arm to rerun it)")
+        arms = [arm for arm in arms if arm.name not in covered]
     rerun_study = dataclasses.replace(study, output_dir=study.output_dir / "reproductions", checkpoint_steps=0)
     processes = ArmProcesses(log)
+    keeping = threading.Lock()
+
+    def reproduce(arm: Arm) -> dict | None:
+        result = _rerun(study, rerun_study, arm, steps, processes, tolerance)
+        if result is not None:
+            with keeping:  # kept at once: a sweep of many arms may be stopped between them
+                entries[arm.name] = result
+                path.write_text(json.dumps(entries, indent=1, sort_keys=True))
+                table.write_text(_markdown(entries))
+                _log_comparison(result, log)
+        return result
+
     with processes.stopping_on_signals(), ThreadPoolExecutor(max_workers=study.parallel) as pool:
-        results = list(pool.map(lambda arm: _rerun(study, rerun_study, arm, steps, processes, tolerance), arms))
-    done = [r for r in results if r is not None]
-    for r in done:
-        final = r["final_eval_loss"]
-        log(f"study: {r['arm']}: {r['records']} records to step {r['steps']}, largest difference "
-            f"{r['max_difference']:.1e}" + (f", final validation loss {final['difference']:+.1e}" if final else "")
-            + ("" if r["agrees"] else f": DOES NOT AGREE ({r['held_to']})"))
-    path = study.output_dir / "reproductions.json"
-    entries = json.loads(path.read_text()) if path.is_file() else {}
-    entries.update({r["arm"]: r for r in done})
-    path.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    (study.output_dir / "reproductions.md").write_text(_markdown(entries))
-    return done
+        results = list(pool.map(reproduce, arms))
+    return [r for r in results if r is not None]

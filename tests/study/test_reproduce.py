@@ -86,6 +86,26 @@ def test_a_record_missing_or_differing_in_kind_does_not_agree(tmp_path, change):
     assert not result["agrees"] and not result["bitwise"]
 
 
+def _kept(steps=40, final=True, agrees=True, numerics=None, relative=0.0):
+    from hf_asyncpp.provenance import NUMERICS
+
+    return {"steps": steps, "agrees": agrees, "numerics": numerics or NUMERICS, "max_relative_difference": relative,
+            "final_eval_loss": {"recorded": 3.3, "rerun": 3.3, "difference": 0.0} if final else None}
+
+
+@pytest.mark.parametrize("kept, steps, spared", [
+    (_kept(), None, True), (_kept(), 20, True),  # a whole rerun that agreed answers whole and partial
+    (_kept(steps=20, final=False), 20, True), (_kept(steps=20, final=False), 30, False),
+    (_kept(steps=20, final=False), None, False),  # a partial one answers no whole request
+    (_kept(numerics="2020-01-01"), None, False),  # kept under other numerics: reruns
+    (_kept(agrees=False), None, False),  # one that disagreed reruns (and disagrees again, saying so)
+    (_kept(relative=1e-3), 20, False), (None, 20, False)])  # close enough for the final loss, not for a prefix
+def test_a_sweep_spares_only_the_arms_whose_kept_comparison_answers_it_under_these_numerics(kept, steps, spared):
+    from hf_asyncpp.study.reproduce import _covered
+
+    assert _covered(kept, steps) is spared
+
+
 @pytest.mark.multirank
 def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_record_is_caught(
         study_file, tmp_path, capsys):  # noqa: F811
@@ -108,6 +128,17 @@ def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_
     rerun_dir = study.output_dir / "reproductions" / "arms" / arm
     assert (rerun_dir / "metrics.jsonl").is_file() and not list(rerun_dir.glob("checkpoint-*"))
 
+    # A sweep (no names) reruns only what is not yet answered under these numerics: the whole rerun answers
+    # a request to step 3, so only the sync arm reruns, and its comparison is kept before the sweep ends.
+    kept_when_logged = []
+
+    def log(line):
+        if "records to step" in line:
+            kept_when_logged.append(json.loads((study.output_dir / "reproductions.json").read_text()))
+    (swept,) = reproduce_arms(study, steps=3, log=log)
+    assert swept["arm"] != arm and swept["agrees"] and kept_when_logged[0].keys() == {arm, swept["arm"]}
+    assert reproduce_arms(study, steps=3, log=lambda *_: None) == []  # a second sweep has nothing left
+
     # Until step 3: stopped by SIGTERM long before its 40 steps, its records so far equal, no checkpoint left.
     (partial,) = reproduce_arms(study, [arm], steps=3, log=lambda *_: None)
     assert partial["agrees"] and partial["bitwise"] and 3 <= partial["steps"] < 40
@@ -115,8 +146,8 @@ def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_
     kept = json.loads((study.output_dir / "reproductions.json").read_text())
     assert kept[arm]["steps"] == partial["steps"]  # the latest comparison of each arm
     table = (study.output_dir / "reproductions.md").read_text()
-    assert f"| {arm} |" in table and table.startswith(
-        f"1 finished arm rerun from their recorded settings: 1 agree, 1 bit for bit; 0 whole, 1 to step {partial['steps']}.")
+    assert f"| {arm} |" in table and f"| {swept['arm']} |" in table and table.startswith(
+        "2 finished arms rerun from their recorded settings: 2 agree, 2 bit for bit; 0 whole, 2 to step")
 
     # A committed record that the code does not give: the command says so and exits 1.
     metrics = study.output_dir / "arms" / arm / "metrics.jsonl"
