@@ -27,7 +27,7 @@ from .runner import check_arms, finished_record, run_arms
 from .tuning import per_mode_picks, sync_picks, tune, write_tuning
 
 __all__ = ["Arm", "Study", "StudyError", "StudyStopped", "known_arms", "load_study", "protocol_arms",
-           "read_chosen", "read_per_mode", "report", "run_study"]
+           "read_chosen", "read_per_mode", "report", "run_study", "table_arms"]
 
 PROTOCOL_MEANINGS = {
     "sync": "every arm of an optimizer and momentum at the learning rate tuned on its sync arms.",
@@ -62,17 +62,29 @@ def read_per_mode(study: Study, sync_chosen: dict) -> dict[tuple, float]:
     return tuning.chosen() if tuning else {}
 
 
+def _tunings(study: Study):
+    """The sync tuning and its picks, the per_mode tuning (None when the study does not run it) and its
+    picks, as the finished arms give them now."""
+    sync = sync_picks(study)
+    chosen = _chosen(study, sync)
+    per_mode_tuning = _per_mode_tuning(study, chosen)
+    return sync, chosen, per_mode_tuning, per_mode_tuning.chosen() if per_mode_tuning else {}
+
+
 def known_arms(study: Study) -> list[Arm]:
     """Every arm the study runs, as far as its finished arms tell now: each tuning's candidates (with the
     extensions finished results have added) and each protocol's arms at the picks so far."""
-    sync = sync_picks(study)
-    chosen = _chosen(study, sync)
+    sync, chosen, per_mode_tuning, per_mode = _tunings(study)
     arms = [study.tuning_arm(g, lr) for g, lrs in sync.candidates.items() for lr in lrs]
-    per_mode_tuning = _per_mode_tuning(study, chosen)
-    per_mode = per_mode_tuning.chosen() if per_mode_tuning else {}
     if per_mode_tuning:
         arms += [study.tuning_arm(g, lr) for g, lrs in per_mode_tuning.candidates.items() for lr in lrs]
     return _each_once(arms + _grid_arms(study, chosen, per_mode))
+
+
+def table_arms(study: Study) -> list[Arm]:
+    """The arms the report's tables read (every protocol's, at the picks so far; tuning-only arms aside)."""
+    _, chosen, _, per_mode = _tunings(study)
+    return _grid_arms(study, chosen, per_mode)
 
 
 def _each_once(arms: list[Arm]) -> list[Arm]:
@@ -94,10 +106,7 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     the finished arms (the tables read the ones in the grid; tuning-only arms are left out)."""
     if not (study.output_dir / "arms").is_dir():
         raise StudyError(f"{study.output_dir} holds no arms, so there is nothing to report: run the study first")
-    sync = sync_picks(study)
-    chosen = _chosen(study, sync)
-    per_mode_tuning = _per_mode_tuning(study, chosen)
-    per_mode = per_mode_tuning.chosen() if per_mode_tuning else {}
+    sync, chosen, per_mode_tuning, per_mode = _tunings(study)
     write_tuning(study, sync, per_mode_tuning)  # the picks as the finished arms give them now
     main = study.main_delayed_mode()
     main_mode = mode_name(*main) if main else None

@@ -27,6 +27,8 @@ def main(argv: list[str]) -> int:
                              "does not agree")
     parser.add_argument("--steps", type=int, help="with --reproduce: stop each rerun after this step and compare "
                                                   "the records up to there")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="with --reproduce and no arm named: only the arms the report's tables read")
     parser.add_argument("--tolerance", type=float, help="with --reproduce: how far a whole rerun's final "
                                                         f"validation loss may lie from the record (default {TOLERANCE})")
     parser.add_argument("--budget-figure", metavar="OUT_DIR",
@@ -36,12 +38,15 @@ def main(argv: list[str]) -> int:
         parser.error("one study at a time, or several with --budget-figure")
     if args.report_only + (args.reproduce is not None) + (args.budget_figure is not None) > 1:
         parser.error("one of --report-only, --reproduce and --budget-figure at a time")
-    if args.reproduce is None and (args.steps is not None or args.tolerance is not None):
-        parser.error("--steps and --tolerance go with --reproduce")
+    if args.reproduce is None and (args.steps is not None or args.tolerance is not None or args.tables_only):
+        parser.error("--steps, --tolerance and --tables-only go with --reproduce")
+    if args.tables_only and args.reproduce:
+        parser.error("--tables-only chooses the arms itself: name none")
     try:
         if args.reproduce is not None:
             compared = reproduce_arms(load_study(args.study[0]), args.reproduce, args.steps,
-                                      TOLERANCE if args.tolerance is None else args.tolerance)
+                                      TOLERANCE if args.tolerance is None else args.tolerance,
+                                      tables_only=args.tables_only)
             return 0 if all(c["agrees"] for c in compared) else 1
         if args.budget_figure is not None:
             paths = write_budget_figure(args.budget_figure, [load_study(path) for path in args.study])

@@ -38,7 +38,7 @@ from .processes import ArmProcesses
 from ..plots import read_metrics
 from .runner import arm_command, arm_dir, drop_checkpoints, finished_record
 
-__all__ = ["PREFIX_RTOL", "TOLERANCE", "compare_records", "reproduce_arms"]
+__all__ = ["PREFIX_RTOL", "TOLERANCE", "compare_records", "reproduce_arms", "write_reproductions"]
 
 logger = get_logger(__name__)
 
@@ -106,14 +106,20 @@ def compare_records(recorded_dir: Path, rerun_dir: Path, max_steps: int, until: 
             "final_eval_loss": final, "held_to": held_to, "agrees": agrees and not missing and bool(compared)}
 
 
-def _chosen_arms(study: Study, names: list[str] | None) -> list[Arm]:
-    from . import known_arms
+def _finished(study: Study, arms: list[Arm]) -> dict[str, Arm]:
+    return {arm.name: arm for arm in arms if finished_record(study, arm) is not None}
 
-    finished = {arm.name: arm for arm in known_arms(study) if finished_record(study, arm) is not None}
+
+def _chosen_arms(study: Study, names: list[str] | None, tables_only: bool) -> list[Arm]:
+    from . import known_arms, table_arms
+
+    finished = _finished(study, known_arms(study))
     if not names:
+        if tables_only:
+            finished = _finished(study, table_arms(study))
         if not finished:
-            raise StudyError(f"{study.output_dir} holds no arm finished under these settings and numerics "
-                             f"({NUMERICS}) to reproduce")
+            raise StudyError(f"{study.output_dir} holds no arm{' the tables read' * tables_only} finished under "
+                             f"these settings and numerics ({NUMERICS}) to reproduce")
         return list(finished.values())
     unknown = [name for name in names if name not in finished]
     if unknown:
@@ -154,8 +160,17 @@ def _summary(entries: dict[str, dict]) -> str:
     return line + (f", {len(entries) - len(whole)} to step {'/'.join(map(str, partial))}" if partial else "") + "."
 
 
-def _markdown(entries: dict[str, dict]) -> str:
-    lines = [_summary(entries), "", "| arm | rerun at | steps compared | records | bitwise | largest difference | "
+def _coverage(entries: dict[str, dict], table_names: list[str]) -> str:
+    """How far the arms the report's tables read are reproduced under this code's numerics."""
+    whole = [name for name in table_names if _covered(entries.get(name), None)]
+    partial = [name for name in table_names if name not in whole and _covered(entries.get(name), 1)]
+    return (f"Of the {len(table_names)} finished arms the report's tables read, {len(whole)} agree rerun whole "
+            f"and {len(partial)} rerun to a step only, under these numerics ({NUMERICS}); "
+            f"{len(table_names) - len(whole) - len(partial)} not (yet).")
+
+
+def _markdown(entries: dict[str, dict], table_names: list[str]) -> str:
+    lines = [_summary(entries), "", _coverage(entries, table_names), "", "| arm | rerun at | steps compared | records | bitwise | largest difference | "
              "final validation loss, recorded → rerun | agrees |", "|---|---|---:|---:|---|---:|---|---|"]
     for name, e in sorted(entries.items()):
         final = e["final_eval_loss"]
@@ -178,6 +193,16 @@ def _covered(entry: dict | None, steps: int | None) -> bool:
         entry.get("max_relative_difference", math.inf) <= PREFIX_RTOL
 
 
+def write_reproductions(study: Study, entries: dict[str, dict]) -> None:
+    """reproductions.json (every arm's latest comparison) and reproductions.md (its table, and how far the
+    arms the tables read are covered)."""
+    from . import table_arms
+
+    table_names = sorted(_finished(study, table_arms(study)))
+    (study.output_dir / "reproductions.json").write_text(json.dumps(entries, indent=1, sort_keys=True))
+    (study.output_dir / "reproductions.md").write_text(_markdown(entries, table_names))
+
+
 def _log_comparison(result: dict, log) -> None:
     final = result["final_eval_loss"]
     log(f"study: {result['arm']}: {result['records']} records to step {result['steps']}, largest difference "
@@ -186,16 +211,17 @@ def _log_comparison(result: dict, log) -> None:
 
 
 def reproduce_arms(study: Study, names: list[str] | None = None, steps: int | None = None,
-                   tolerance: float = TOLERANCE, log=logger.info) -> list[dict]:
+                   tolerance: float = TOLERANCE, log=logger.info, tables_only: bool = False) -> list[dict]:
     """Rerun the named finished arms `study.parallel` at a time, each whole or its first `steps` steps, and
     record how each compares; returns this run's comparisons (none for an arm a signal stopped). Without
     names, every finished arm whose kept comparison does not already answer the request under these
-    numerics, so a sweep that was stopped continues where it stopped. `reproductions.json` / `.md` keep
-    every arm's latest comparison, each written as soon as it is made."""
+    numerics (of those the report's tables read, with `tables_only`), so a sweep that was stopped
+    continues where it stopped. `reproductions.json` / `.md` keep every arm's latest comparison, each
+    written as soon as it is made."""
     if steps is not None and steps < 1:
         raise StudyError("--steps must be at least 1")
-    arms = _chosen_arms(study, names)
-    path, table = study.output_dir / "reproductions.json", study.output_dir / "reproductions.md"
+    arms = _chosen_arms(study, names, tables_only)
+    path = study.output_dir / "reproductions.json"
     entries = json.loads(path.read_text()) if path.is_file() else {}
     if not names:
         covered = {arm.name for arm in arms if _covered(entries.get(arm.name), steps)}
@@ -213,8 +239,7 @@ def reproduce_arms(study: Study, names: list[str] | None = None, steps: int | No
         if result is not None:
             with keeping:  # kept at once: a sweep of many arms may be stopped between them
                 entries[arm.name] = result
-                path.write_text(json.dumps(entries, indent=1, sort_keys=True))
-                table.write_text(_markdown(entries))
+                write_reproductions(study, entries)
                 _log_comparison(result, log)
         return result
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from hf_asyncpp.study.reproduce import PREFIX_RTOL, TOLERANCE, compare_records
+from tests.study.test_tuning import _study_file, _valley, fake_runs  # noqa: F401  (the fixture)
 from tests.test_study import study_file  # noqa: F401  (the fixture)
 
 
@@ -106,6 +107,22 @@ def test_a_sweep_spares_only_the_arms_whose_kept_comparison_answers_it_under_the
     assert _covered(kept, steps) is spared
 
 
+def test_a_sweep_of_the_tables_arms_leaves_out_the_arms_only_the_tuning_read(tmp_path, fake_runs):  # noqa: F811
+    from hf_asyncpp.study import load_study, run_study, table_arms
+    from hf_asyncpp.study.reproduce import _chosen_arms
+
+    fake_runs(_valley(best=3e-3, delayed_best=3e-4))
+    path = _study_file(tmp_path, lr_protocol="both", per_mode_lr_factors=[0.1, 0.3, 1.0])
+    run_study(path, log=lambda *_: None)
+    study = load_study(path)
+    tables = {arm.name for arm in _chosen_arms(study, None, tables_only=True)}
+    every = {arm.name for arm in _chosen_arms(study, None, tables_only=False)}
+    assert tables == {arm.name for arm in table_arms(study)} and tables < every
+    assert {"adamw-sync-m0.9-lr0.003-s1", "adamw-pipedream-2bw-p2-m0.9-lr0.003-s1",  # the sync protocol's
+            "adamw-pipedream-2bw-p2-ef1-m0.9-lr0.0003-s1"} <= tables  # per_mode's, at its pick
+    assert {"adamw-sync-m0.9-lr0.001-s0", "adamw-pipedream-2bw-p2-m0.9-lr0.0001-s0"} <= every - tables
+
+
 @pytest.mark.multirank
 def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_record_is_caught(
         study_file, tmp_path, capsys):  # noqa: F811
@@ -125,6 +142,8 @@ def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_
     (whole,) = reproduce_arms(study, [arm], log=lambda *_: None)
     assert whole["agrees"] and whole["bitwise"] and whole["steps"] == 40 and whole["missing"] == 0
     assert whole["final_eval_loss"]["difference"] == 0.0 and whole["numerics"]
+    assert "Of the 2 finished arms the report's tables read, 1 agree rerun whole and 0 rerun to a step only" in (
+        study.output_dir / "reproductions.md").read_text()
     rerun_dir = study.output_dir / "reproductions" / "arms" / arm
     assert (rerun_dir / "metrics.jsonl").is_file() and not list(rerun_dir.glob("checkpoint-*"))
 
@@ -148,6 +167,7 @@ def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_
     table = (study.output_dir / "reproductions.md").read_text()
     assert f"| {arm} |" in table and f"| {swept['arm']} |" in table and table.startswith(
         "2 finished arms rerun from their recorded settings: 2 agree, 2 bit for bit; 0 whole, 2 to step")
+    assert "0 agree rerun whole and 2 rerun to a step only" in table and "; 0 not (yet)." in table
 
     # A committed record that the code does not give: the command says so and exits 1.
     metrics = study.output_dir / "arms" / arm / "metrics.jsonl"
@@ -162,7 +182,8 @@ def test_finished_arms_rerun_at_this_code_reproduce_their_records_and_a_changed_
 
 
 @pytest.mark.parametrize("argv", [["--steps", "3"], ["--tolerance", "0.1"], ["--reproduce", "--report-only"],
-                                  ["--reproduce", "--budget-figure", "out"]])
+                                  ["--reproduce", "--budget-figure", "out"], ["--tables-only"],
+                                  ["--reproduce", "some-arm", "--tables-only"]])
 def test_reproduce_options_alone_or_mixed_with_another_action_are_a_usage_error(argv, capsys):
     from hf_asyncpp.cli import main
 
