@@ -326,13 +326,14 @@ class Judged:
 
     def verdicts(self) -> str:
         """The tally of its effects' verdicts, after what qualifies them all: the tolerance they are judged
-        against, or a caveat that leaves them their verdict."""
+        against (0 for a claim of an effect) and a caveat that leaves them their verdict; none before an
+        effect is measured, or where a caveat replaces the verdicts."""
         tally = _tally([self.verdict(e.values) for e in self.effects])
-        if self.claim.tolerance and self.effects:
-            return f"tolerance {self.claim.tolerance.cited}: {tally}"
-        if self.caveat and not self.caveat.replaces_verdict and self.effects:
-            return f"{self.caveat.label}: {tally}"
-        return tally
+        if not any(e.values for e in self.effects) or (self.caveat and self.caveat.replaces_verdict):
+            return tally
+        qualifiers = [f"tolerance {self.claim.tolerance.cited if self.claim.tolerance else 0}",
+                      *([self.caveat.label] if self.caveat else [])]
+        return f"{'; '.join(qualifiers)}: {tally}"
 
     def prediction(self) -> str:
         sign = ">" if self.claim.expect_positive else "not >"

@@ -52,6 +52,11 @@ def _notes(judged: list[Judged], protocols: dict[str, str] | None = None) -> lis
     contradicted shares, the tolerance, the caveats."""
     notes = [*(f"Protocol `{name}`: {meaning}" for name, meaning in (protocols or {}).items()), grade_legend(),
              *share_notes()]
+    if any(not j.claim.tolerance and j.effects for j in judged):
+        notes.append("A claim of an effect is judged against a tolerance of 0: reproduced when the effect's mean "
+                     "over seeds exceeds 0 by more than the 95% t bound (t(n − 1) · sd / √n over n seeds), opposite "
+                     "when it lies that far below 0, else not beyond noise; from one seed only its sign is read "
+                     "(agrees / disagrees).")
     for j in judged:
         if j.claim.tolerance:
             notes.append(f"\"{j.claim.statement}\" is judged against a tolerance of {j.claim.tolerance.cited}, "

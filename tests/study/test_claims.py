@@ -122,19 +122,20 @@ def test_each_claim_tallies_the_verdicts_of_its_effects(tmp_path):
     header, *rows = _table(text, "| claim |")
     verdicts = {row[0]: row[-1] for row in rows}
     assert [row[0] for row in rows] == [claim.statement for claim in CLAIMS]
-    assert verdicts["a one-step delay costs AdamW far more than Muon and SOAP"] == "reproduced: 2"  # 2 momenta
+    assert verdicts["a one-step delay costs AdamW far more than Muon and SOAP"] == "tolerance 0: reproduced: 2"  # 2 momenta
     # AdamW keeps +0.2 with EF (not reproduced); Muon's +0.0 ± noise is within the tolerance.
     assert verdicts["with Error Feedback the delayed run matches the synchronous one"] == \
         "tolerance +0.028 [S1]: not reproduced: 2; reproduced: 2"
     # AdamW: ½ · 0.5 − 0.2 = +0.05 beyond noise; Muon: ½ · 0.05 − 0.0 = +0.025, also beyond it.
-    assert verdicts["Error Feedback removes at least half of the gap"] == "reproduced: 4"
+    assert verdicts["Error Feedback removes at least half of the gap"] == "tolerance 0: reproduced: 4"
+    assert "- A claim of an effect is judged against a tolerance of 0: reproduced when the effect's mean" in text
     # The same gap at both momentum values: no effect.
-    assert verdicts["a higher momentum tolerates the delay better"] == "not beyond noise: 2"
+    assert verdicts["a higher momentum tolerates the delay better"] == "tolerance 0: not beyond noise: 2"
     # The grid runs the emulator (launch: emulator): 2BW's depths are one update rule.
     assert verdicts["PipeDream-2BW's gap does not grow with the pipeline's depth"] == \
         "true by construction in the emulator: 4"
-    assert verdicts["PipeDream's gap grows with the pipeline's depth"] == "reproduced: 4"
-    assert verdicts["at equal depth PipeDream's gap exceeds PipeDream-2BW's"] == "confounded: reproduced: 4"
+    assert verdicts["PipeDream's gap grows with the pipeline's depth"] == "tolerance 0: reproduced: 4"
+    assert verdicts["at equal depth PipeDream's gap exceeds PipeDream-2BW's"] == "tolerance 0; confounded: reproduced: 4"
 
 
 def _verdicts(table: str) -> dict[str, str]:
@@ -155,7 +156,7 @@ def test_2bw_not_growing_with_depth_is_true_by_construction_in_the_emulator_and_
             if "pipedream-2bw@4 − pipedream-2bw@2 |" in line]
     assert [row.split("|")[-2].strip() for row in rows] == ["true by construction in the emulator"] * 4
     on_pipelines = dataclasses.replace(study, launch="pipeline")
-    assert _verdicts(verdicts_markdown(on_pipelines, losses))[claim] == "reproduced: 4"
+    assert _verdicts(verdicts_markdown(on_pipelines, losses))[claim] == "tolerance 0: reproduced: 4"
     assert "true by construction" not in claims_markdown(on_pipelines, losses)
 
 
@@ -180,8 +181,8 @@ def test_pipedream_against_2bw_is_labelled_confounded_by_its_updates_per_microba
 
     assert PIPEDREAM.per_microbatch_updates and not PIPEDREAM_2BW.per_microbatch_updates
     table = verdicts_markdown(_study(tmp_path), final_losses(_records()))
-    assert _verdicts(table)["at equal depth PipeDream's gap exceeds PipeDream-2BW's"] == "confounded: reproduced: 4"
-    assert _verdicts(table)["PipeDream's gap grows with the pipeline's depth"] == "reproduced: 4"
+    assert _verdicts(table)["at equal depth PipeDream's gap exceeds PipeDream-2BW's"] == "tolerance 0; confounded: reproduced: 4"
+    assert _verdicts(table)["PipeDream's gap grows with the pipeline's depth"] == "tolerance 0: reproduced: 4"
     assert "m = n_microbatches times as many updates as 2BW, each on an m-times smaller batch, at the learning " \
            "rate tuned for whole steps" in table
 
@@ -260,7 +261,7 @@ def test_claims_without_their_arms_say_so_and_a_grid_without_their_modes_has_non
     verdicts = {row[0]: row[-1] for row in _table(claims_markdown(study, final_losses(records)), "| claim |")[1:]}
     assert verdicts["a one-step delay costs AdamW far more than Muon and SOAP"] == "not measured yet: 2"
     assert verdicts["PipeDream's gap grows with the pipeline's depth"] == \
-        "agrees (1 seed): 2; not measured yet: 2"
+        "tolerance 0: agrees (1 seed): 2; not measured yet: 2"
     sync_only = dataclasses.replace(study, modes=[("sync", 1, 0)])
     verdicts = {row[0]: row[-1] for row in _table(claims_markdown(sync_only, {}), "| claim |")[1:]}
     assert set(verdicts.values()) == {"not in this grid"}
@@ -278,8 +279,8 @@ def test_a_sync_start_is_compared_with_delays_from_the_first_step_and_with_ef_ap
     assert [row[0] for row in rows] == [comparison.statement for comparison in COMPARISONS]
     # AdamW: delayed from the first step +0.5, after the sync start +0.02, with EF +0.2; Muon has no sync-start arms.
     assert verdicts["a synchronous start leaves a smaller gap than delays from the first step"] == \
-        "holds: 2; not measured yet: 2"
-    assert verdicts["Error Feedback leaves a smaller gap than a synchronous start"] == "opposite: 2; not measured yet: 2"
+        "tolerance 0: holds: 2; not measured yet: 2"
+    assert verdicts["Error Feedback leaves a smaller gap than a synchronous start"] == "tolerance 0: opposite: 2; not measured yet: 2"
     effect = _table(comparisons, "| compared |")[1]
     # The noise is the same on both sides of each seed's pair: 0.497 − 0.017 = +0.480 exactly.
     assert effect == ["adamw, momentum 0.9, pipedream-2bw@2 − pipedream-2bw@2+sync50",
