@@ -146,7 +146,8 @@ def _rerun(study: Study, rerun_study: Study, arm: Arm, steps: int | None, proces
         return None
     max_steps = finished_record(study, arm)["settings"]["config"]["max_steps"]
     comparison = compare_records(arm_dir(study, arm), directory, max_steps, steps, tolerance)
-    return {"arm": arm.name, **comparison, "exit_status": status, "seconds": round(time.time() - start, 1), "commit": source_commit(), "numerics": NUMERICS}
+    return {"arm": arm.name, **comparison, "exit_status": status, "seconds": round(time.time() - start, 1),
+            "commit": source_commit(), "numerics": NUMERICS}
 
 
 def _summary(entries: dict[str, dict]) -> str:
@@ -156,7 +157,8 @@ def _summary(entries: dict[str, dict]) -> str:
             f"{sum(e['agrees'] for e in entries.values())} agree, {sum(e['bitwise'] for e in entries.values())} "
             f"bit for bit; {len(whole)} whole")
     if whole:
-        line += f" (final validation loss at most {max(abs(e['final_eval_loss']['difference']) for e in whole):.1e} apart)"
+        largest = max(abs(e["final_eval_loss"]["difference"]) for e in whole)
+        line += f" (final validation loss at most {largest:.1e} apart)"
     return line + (f", {len(entries) - len(whole)} to step {'/'.join(map(str, partial))}" if partial else "") + "."
 
 
@@ -170,7 +172,8 @@ def _coverage(entries: dict[str, dict], table_names: list[str]) -> str:
 
 
 def _markdown(entries: dict[str, dict], table_names: list[str]) -> str:
-    lines = [_summary(entries), "", _coverage(entries, table_names), "", "| arm | rerun at | steps compared | records | bitwise | largest difference | "
+    lines = [_summary(entries), "", _coverage(entries, table_names), "",
+             "| arm | rerun at | steps compared | records | bitwise | largest difference | "
              "final validation loss, recorded → rerun | agrees |", "|---|---|---:|---:|---|---:|---|---|"]
     for name, e in sorted(entries.items()):
         final = e["final_eval_loss"]
