@@ -5,7 +5,9 @@ A study's points are the rows of its results.json (`report` writes it) whose lea
 mode (protocol `per_mode`: every optimizer, mode, EF λ and momentum at its own tuned rate); a row without a
 protocol is one of the sync protocol (delayed arms at the rate tuned for sync) and is not read. Its budget is
 its tokens per run (max_steps × micro_batch_size × n_microbatches × seq_len, one emulated rank) over all its
-model's parameters, embeddings included, as the study headers count them.
+model's parameters, embeddings included, as the study headers count them. Its passes over the training
+data are what a finished arm logged at its last step (`epoch`: steps over steps per pass of the training
+blocks), not an estimate.
 
 The studies must train on the same data — corpus, tokenizer, sequence length, held-out set and tokens per
 run — so that the axis varies the model alone and every point has made the same passes over the data (more
@@ -46,6 +48,7 @@ class Budget:
     tokens_per_run: int
     data: dict  # what every study of one figure must share: corpus, tokenizer, sequence length, held-out set
     lr_schedule: str  # listed beside the points
+    passes: float | None  # over the training data, as a finished arm logged it; None before one finished
 
     @property
     def tokens_per_parameter(self) -> float:
@@ -65,7 +68,21 @@ def budget_of(study: Study) -> Budget:
     schedule = (f"{config.lr_scheduler_type} {json.dumps(config.lr_scheduler_kwargs or {})}, warm-up "
                 f"{config.warmup_steps}/{config.max_steps} steps")
     return Budget(study.name, config.model_config, total, config.max_steps * config.rows_per_step * config.seq_len,
-                  data, schedule)
+                  data, schedule, _passes(study))
+
+
+def _passes(study: Study) -> float | None:
+    """Passes over the training data of the study's first finished arm (all share the data and tokens), as
+    its last training record logged them."""
+    from ..plots import read_metrics
+    from . import table_arms
+    from .runner import arm_dir, finished_record
+
+    for arm in table_arms(study):
+        if finished_record(study, arm) is not None:
+            train, _ = read_metrics(arm_dir(study, arm))
+            return train[-1].get("epoch") if train else None
+    return None
 
 
 def _check_comparable(budgets: list[Budget]) -> None:
@@ -148,9 +165,10 @@ def _figure(rows: list[dict], out: Path) -> Path:
 def _markdown(budgets: list[Budget], rows: list[dict]) -> str:
     lines = ["Budgets: the same data and tokens per run, the model's size varied (all parameters counted).", "",
              *markdown_head(["study", "model", "parameters", "tokens per run", "tokens per parameter",
-                             "learning-rate schedule"])]
+                             "passes over the training data", "learning-rate schedule"])]
     lines += [markdown_row([b.study, b.model_config, f"{b.parameters:,}", f"{b.tokens_per_run:,}",
-                            f"{b.tokens_per_parameter:.3g}", b.lr_schedule]) for b in budgets]
+                            f"{b.tokens_per_parameter:.3g}", "–" if b.passes is None else f"{b.passes:.2f}",
+                            b.lr_schedule]) for b in budgets]
     if len({b.lr_schedule for b in budgets}) > 1:
         lines += ["", "The learning-rate schedules differ: the gaps compare budgets and schedules at once."]
     lines += ["", "Each mode at its own tuned learning rate (protocol per_mode). Gap: validation loss − the sync",

@@ -72,6 +72,13 @@ def test_each_study_is_a_point_at_its_tokens_per_parameter_with_its_per_mode_gap
         (0.98, 0.30, 0.02), (3.59, 0.20, 0.02), (16.61, 0.10, 0.02)]
     assert [gap for _, gap, _ in lines[1.0][("muon", "pipedream-2bw@2", 0.95)]] == [0.05, 0.02, 0.01]
 
+    # The passes over the training data are what a finished arm logged at its last step; "–" before one finished.
+    from tests.study.test_tuning import finish
+
+    arm = studies[1].arms(studies[1].first_learning_rates())[0]
+    finish(studies[1], arm, 4.0)
+    (studies[1].output_dir / "arms" / arm.name / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "epoch": step / 453.5, "loss": 5.0}) + "\n" for step in (500, 1000)))
     written = write_budget_figure(tmp_path / "figure", studies)
     assert [p.name for p in written] == ["gap_vs_budget.png", "budget.json", "budget.md"]
     table = json.loads((tmp_path / "figure" / "budget.json").read_text())
@@ -80,6 +87,9 @@ def test_each_study_is_a_point_at_its_tokens_per_parameter_with_its_per_mode_gap
     markdown = (tmp_path / "figure" / "budget.md").read_text()
     row = "| 16.6 | adamw | pipedream-2bw@2 | 0 | 0.95 | 0.01 | 4.100 ± 0.010 | +0.100 ± 0.020 (3 seeds) |"
     assert row in markdown
+    assert "| budget_moe_cpu_250k | " in markdown and "| 246,528 | 4,096,000 | 16.6 | 2.21 | cosine {}" in markdown
+    assert "| 4,161,312 | 4,096,000 | 0.984 | – | cosine {}" in markdown
+    assert table["budgets"][1]["passes"] is None and table["budgets"][2]["passes"] == pytest.approx(1000 / 453.5)
     assert "cosine {}, warm-up 100/1000 steps" in markdown  # each study's schedule, shown beside its budget
     assert "schedules differ" not in markdown
 
