@@ -14,6 +14,7 @@ finished arms to hold them to their records in reproduce.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..log import get_logger
@@ -23,6 +24,7 @@ from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study, mode_name
 from .results import final_losses, results_rows, write_results
 from .processes import StudyStopped
+from .reproduce import write_reproductions
 from .runner import check_arms, finished_record, run_arms
 from .tuning import per_mode_picks, sync_picks, tune, write_tuning
 
@@ -103,7 +105,8 @@ def protocol_arms(study: Study, protocol: str, sync_chosen: dict, per_mode: dict
 
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     """Tables, claims, headline.md and verdicts.md (quoted by README Results and docs/studies.md), figures and tuning.json from
-    the finished arms (the tables read the ones in the grid; tuning-only arms are left out)."""
+    the finished arms (the tables read the ones in the grid; tuning-only arms are left out); reproductions.md
+    again where arms were reproduced, its coverage of the tables' arms as they stand now."""
     if not (study.output_dir / "arms").is_dir():
         raise StudyError(f"{study.output_dir} holds no arms, so there is nothing to report: run the study first")
     sync, chosen, per_mode_tuning, per_mode = _tunings(study)
@@ -143,6 +146,10 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
     for name, text in texts.items():
         (study.output_dir / name).write_text(text)
         paths.append(study.output_dir / name)
+    kept = study.output_dir / "reproductions.json"
+    if kept.is_file():  # its coverage of the tables' arms moves as arms finish
+        write_reproductions(study, json.loads(kept.read_text()))
+        paths.append(kept.with_suffix(".md"))
     return [*paths, *figures]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import yaml
@@ -121,6 +122,28 @@ def test_a_sweep_of_the_tables_arms_leaves_out_the_arms_only_the_tuning_read(tmp
     assert {"adamw-sync-m0.9-lr0.003-s1", "adamw-pipedream-2bw-p2-m0.9-lr0.003-s1",  # the sync protocol's
             "adamw-pipedream-2bw-p2-ef1-m0.9-lr0.0003-s1"} <= tables  # per_mode's, at its pick
     assert {"adamw-sync-m0.9-lr0.001-s0", "adamw-pipedream-2bw-p2-m0.9-lr0.0001-s0"} <= every - tables
+
+
+def test_the_report_recounts_the_reproductions_coverage_as_the_tables_arms_change(tmp_path, fake_runs):  # noqa: F811
+    from hf_asyncpp.provenance import NUMERICS
+    from hf_asyncpp.study import load_study, report, run_study, table_arms
+    from hf_asyncpp.study.reproduce import write_reproductions
+
+    fake_runs(_valley(best=3e-3))
+    path = _study_file(tmp_path)
+    run_study(path, log=lambda *_: None)
+    study = load_study(path)
+    arm = table_arms(study)[0].name
+    whole = {"arm": arm, "steps": 300, "records": 1, "missing": 0, "bitwise": True, "max_difference": 0.0,
+             "max_difference_at": None, "max_relative_difference": 0.0, "held_to": "final loss ± 0.01", "agrees": True,
+             "final_eval_loss": {"recorded": 4.0, "rerun": 4.0, "difference": 0.0}, "commit": None, "numerics": NUMERICS}
+    write_reproductions(study, {arm: whole})
+    table = study.output_dir / "reproductions.md"
+    assert "Of the 6 finished arms the report's tables read, 1 agree rerun whole" in table.read_text()
+    shutil.rmtree(study.output_dir / "arms" / table_arms(study)[-1].name)  # one fewer finished
+    assert table in report(study)
+    assert "Of the 5 finished arms the report's tables read, 1 agree rerun whole and 0 rerun to a step only" \
+        in table.read_text()
 
 
 @pytest.mark.multirank
