@@ -113,10 +113,8 @@ def _finished(study: Study, arms: list[Arm]) -> dict[str, Arm]:
 def _chosen_arms(study: Study, names: list[str] | None, tables_only: bool) -> list[Arm]:
     from . import known_arms, table_arms
 
-    finished = _finished(study, known_arms(study))
+    finished = _finished(study, table_arms(study) if tables_only and not names else known_arms(study))
     if not names:
-        if tables_only:
-            finished = _finished(study, table_arms(study))
         if not finished:
             raise StudyError(f"{study.output_dir} holds no arm{' the tables read' * tables_only} finished under "
                              f"these settings and numerics ({NUMERICS}) to reproduce")
