@@ -8,6 +8,7 @@
 - its test command is the one CI runs (.ci/run);
 - its Results table is the committed study report's headline table, verbatim (docs/studies.md quotes its
   verdicts table likewise), and each loss difference its prose quotes is one the committed report or arms give;
+- once the budget figure is committed, Results shows it and quotes its table, and says it is still to run before;
 - every number of the reference study it (or docs/studies.md) quotes carries its source grade;
 - every relative link in it and in docs/ points at a file (and heading) that exists.
 """
@@ -106,6 +107,18 @@ def test_the_results_tables_are_the_committed_reports_headline_and_verdicts(page
     assert table in {Path(path).name for path, _ in quoted}, f"{page} quotes the report's {table}"
     for path, body in quoted:
         assert body == (REPO / path).read_text(), f"{page} is not {path}: copy it in"
+
+
+def test_the_results_show_the_budget_figure_once_it_is_committed():
+    """docs/results/cpu_budget holds the gap against the training budget (`--budget-figure`): Results embeds its
+    figure and quotes its headline table (the test above holds the quote to the file); before it is drawn,
+    Results says the budget studies are still to run, and nothing of theirs is shown."""
+    results, figure = _section("Results"), "docs/results/cpu_budget/gap_vs_budget.png"
+    if (REPO / "docs" / "results" / "cpu_budget" / "budget.json").is_file():
+        assert f"]({figure})" in results and "<!-- report: docs/results/cpu_budget/budget_headline.md -->" in results
+        assert "Still to run: the budget studies" not in results
+    else:
+        assert "Still to run: the budget studies" in results and figure not in results
 
 
 def _seed_gaps(arms: dict[str, float]) -> set[str]:

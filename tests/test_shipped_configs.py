@@ -271,3 +271,22 @@ def test_a_committed_study_report_is_the_one_its_committed_arms_give(path, tmp_p
     report(dataclasses.replace(study, output_dir=tmp_path))
     for name in ("summary.md", "claims.md", "headline.md", "verdicts.md", "results.md", "results.csv", "tuning.json"):
         assert (tmp_path / name).read_text() == (committed / name).read_text(), f"{committed / name} is stale"
+
+
+COMMITTED_BUDGET_FIGURES = sorted((REPO / "docs" / "results").glob("*/budget.json"))
+
+
+@pytest.mark.parametrize("table", COMMITTED_BUDGET_FIGURES, ids=lambda p: p.parent.name)
+def test_a_committed_budget_figure_is_the_one_its_studies_committed_reports_give(table, tmp_path, monkeypatch):
+    """budget.md, budget_headline.md (which README Results quotes) and budget.json are what `--budget-figure`
+    draws from the studies budget.json names, as their committed reports stand: a budget table left stale by
+    a study's later arms fails."""
+    import json
+
+    from hf_asyncpp.study.budget import write_budget_figure
+
+    monkeypatch.chdir(REPO)
+    files = [budget["study_file"] for budget in json.loads(table.read_text())["budgets"]]
+    write_budget_figure(tmp_path, [load_study(REPO / file) for file in files])
+    for name in ("budget.json", "budget.md", "budget_headline.md"):
+        assert (tmp_path / name).read_text() == (table.parent / name).read_text(), f"{table.parent / name} is stale"

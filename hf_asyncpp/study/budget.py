@@ -16,7 +16,9 @@ learning-rate schedules are listed beside the points, not checked; budget.md say
 
 Written to OUT_DIR: gap_vs_budget.png, a panel per EF λ (EF off first), a line per (optimizer, delayed mode,
 momentum) that every study measured, the gap against tokens per parameter on a log axis ± its paired seed
-spread; budget.json and budget.md, every per-mode row of every study beside its budget.
+spread; budget.json and budget.md, every per-mode row of every study beside its budget; budget_headline.md,
+the gaps alone, a column per budget (what README Results quotes). budget.json names the study files, so that
+the figure can be drawn again from them (each budget's `study_file`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Budget:
     """A study's training budget and the data it is spent on."""
 
     study: str
+    study_file: str  # relative to the working directory where it lies below it, so the figure can be redrawn
     model_config: str
     parameters: int  # all of them, embeddings included
     tokens_per_run: int
@@ -53,6 +56,12 @@ class Budget:
     @property
     def tokens_per_parameter(self) -> float:
         return self.tokens_per_run / self.parameters
+
+
+def _study_file(study: Study) -> str:
+    """The study's file as budget.json names it."""
+    path = Path(study.path).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def budget_of(study: Study) -> Budget:
@@ -67,7 +76,8 @@ def budget_of(study: Study) -> Budget:
                                                   "seq_len", "eval_dataset", "eval_fraction")}
     schedule = (f"{config.lr_scheduler_type} {json.dumps(config.lr_scheduler_kwargs or {})}, warm-up "
                 f"{config.warmup_steps}/{config.max_steps} steps")
-    return Budget(study.name, config.model_config, total, config.max_steps * config.rows_per_step * config.seq_len,
+    return Budget(study.name, _study_file(study), config.model_config, total,
+                  config.max_steps * config.rows_per_step * config.seq_len,
                   data, schedule, _passes(study))
 
 
@@ -184,8 +194,41 @@ def _markdown(budgets: list[Budget], rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _headline(budgets: list[Budget], rows: list[dict]) -> str:
+    """The gaps side by side, a column per budget: a row per optimizer and momentum for its sync loss, one per
+    delayed mode and EF λ for its gap, one for the share EF removes; the passes over the data last."""
+    by_key = {(r["tokens_per_parameter"], r["optimizer"], r["momentum"], r["mode"], r["ef_lambda"]): r for r in rows}
+    lines = ["Each mode at its own tuned learning rate (protocol per_mode); gap: validation loss − the sync arm's,",
+             "mean ± standard deviation of the paired differences (seeds); '–': not finished.", "",
+             *markdown_head(["optimizer", "momentum", "", *(f"{b.tokens_per_parameter:.3g} tokens per parameter "
+                                                            f"({b.parameters / 1e6:.2g}M parameters)" for b in budgets)])]
+
+    def cells(key: tuple, show) -> list[str]:
+        found = [by_key.get((b.tokens_per_parameter, *key)) for b in budgets]
+        return [show(row) if row is not None and row["val_loss"] is not None else "–" for row in found]
+
+    lanes = sorted({(r["optimizer"], r["momentum"]) for r in rows})
+    delayed = sorted({(r["mode"], r["ef_lambda"]) for r in rows if r["mode"] != "sync"})
+    for optimizer, momentum in lanes:
+        head = [optimizer, f"{momentum:g}"]
+        lines.append(markdown_row([*head, "sync: validation loss", *cells(
+            (optimizer, momentum, "sync", 0.0), lambda r: spread(r["val_loss"], r["val_loss_std"], r["seeds"],
+                                                                   signed=False))]))
+        for mode, ef in delayed:
+            label = f"{mode}" + (f" + EF λ {ef:g}" if ef else "")
+            lines.append(markdown_row([*head, f"{label}: gap", *cells(
+                (optimizer, momentum, mode, ef), lambda r: spread(r["gap"], r["gap_std"], r["seeds"]))]))
+            if ef:
+                lines.append(markdown_row([*head, f"{label}: share of the gap EF removes", *cells(
+                    (optimizer, momentum, mode, ef),
+                    lambda r: "–" if r["ef_recovered"] is None else f"{100 * r['ef_recovered']:.0f}%")]))
+    lines.append(markdown_row(["", "", "passes over the training data",
+                               *("–" if b.passes is None else f"{b.passes:.2f}" for b in budgets)]))
+    return "\n".join(lines) + "\n"
+
+
 def write_budget_figure(out_dir: str | Path, studies: list[Study]) -> list[Path]:
-    """gap_vs_budget.png, budget.json and budget.md in out_dir from the studies' results (see the module's
+    """gap_vs_budget.png, budget.json, budget.md and budget_headline.md in out_dir from the studies' results (see the module's
     docstring); StudyError for studies that cannot share the axis. Returns the files written."""
     if len(studies) < 2:
         raise StudyError("a budget figure needs at least two studies, one per budget")
@@ -193,8 +236,9 @@ def write_budget_figure(out_dir: str | Path, studies: list[Study]) -> list[Path]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     figure = _figure(rows, out)
-    table, markdown = out / "budget.json", out / "budget.md"
+    table, markdown, headline = out / "budget.json", out / "budget.md", out / "budget_headline.md"
     table.write_text(json.dumps({"budgets": [{**dataclasses.asdict(b), "tokens_per_parameter": b.tokens_per_parameter}
                                              for b in budgets], "rows": rows}, indent=1))
     markdown.write_text(_markdown(budgets, rows))
-    return [figure, table, markdown]
+    headline.write_text(_headline(budgets, rows))
+    return [figure, table, markdown, headline]

@@ -47,7 +47,7 @@ def _grid(gap_off: float, gap_ef: float, optimizers=("adamw", "muon")) -> list[d
     (with and without the key, as reports written before protocols were recorded have none)."""
     per_mode = [row for optimizer in optimizers for row in (
         _row(optimizer, "sync", 0.0, None), _row(optimizer, "pipedream-2bw@2", 0.0, gap_off),
-        _row(optimizer, "pipedream-2bw@2", 1.0, gap_ef))]
+        {**_row(optimizer, "pipedream-2bw@2", 1.0, gap_ef), "ef_recovered": 1 - gap_ef / gap_off})]
     return [*per_mode, _row("adamw", "pipedream-2bw@2", 0.0, 9.0, protocol="sync"),
             _row("adamw", "pipedream-2bw@2", 1.0, 9.0, protocol=None)]
 
@@ -80,7 +80,7 @@ def test_each_study_is_a_point_at_its_tokens_per_parameter_with_its_per_mode_gap
     (studies[1].output_dir / "arms" / arm.name / "metrics.jsonl").write_text("".join(
         json.dumps({"step": step, "epoch": step / 453.5, "loss": 5.0}) + "\n" for step in (500, 1000)))
     written = write_budget_figure(tmp_path / "figure", studies)
-    assert [p.name for p in written] == ["gap_vs_budget.png", "budget.json", "budget.md"]
+    assert [p.name for p in written] == ["gap_vs_budget.png", "budget.json", "budget.md", "budget_headline.md"]
     table = json.loads((tmp_path / "figure" / "budget.json").read_text())
     assert [b["study"] for b in table["budgets"]] == ["budget_moe_cpu_4m", "budget_moe_cpu_1m", "budget_moe_cpu_250k"]
     assert len(table["rows"]) == 6 + 9 + 6  # the per-mode rows of each study, soap's included
@@ -92,6 +92,25 @@ def test_each_study_is_a_point_at_its_tokens_per_parameter_with_its_per_mode_gap
     assert table["budgets"][1]["passes"] is None and table["budgets"][2]["passes"] == pytest.approx(1000 / 453.5)
     assert "cosine {}, warm-up 100/1000 steps" in markdown  # each study's schedule, shown beside its budget
     assert "schedules differ" not in markdown
+    # The study files, so that the figure can be drawn again from them.
+    assert [b["study_file"] for b in table["budgets"]] == [str(s.path.resolve()) for s in (studies[0], studies[2],
+                                                                                            studies[1])]
+
+    # The headline: a column per budget, smallest first; per optimizer its sync loss, each delayed mode's gap.
+    headline = (tmp_path / "figure" / "budget_headline.md").read_text().splitlines()
+    assert headline[3] == ("| optimizer | momentum |  | 0.984 tokens per parameter (4.2M parameters) | 3.59 tokens "
+                           "per parameter (1.1M parameters) | 16.6 tokens per parameter (0.25M parameters) |")
+    assert headline[5:9] == [
+        "| adamw | 0.95 | sync: validation loss | 4.000 ± 0.010 (3 seeds) | 4.000 ± 0.010 (3 seeds) | "
+        "4.000 ± 0.010 (3 seeds) |",
+        "| adamw | 0.95 | pipedream-2bw@2: gap | +0.300 ± 0.020 (3 seeds) | +0.200 ± 0.020 (3 seeds) | "
+        "+0.100 ± 0.020 (3 seeds) |",
+        "| adamw | 0.95 | pipedream-2bw@2 + EF λ 1: gap | +0.050 ± 0.020 (3 seeds) | +0.020 ± 0.020 (3 seeds) | "
+        "+0.010 ± 0.020 (3 seeds) |",
+        "| adamw | 0.95 | pipedream-2bw@2 + EF λ 1: share of the gap EF removes | 83% | 90% | 90% |"]
+    assert headline[-1] == "|  |  | passes over the training data | – | – | 2.21 |"
+    soap = [line for line in headline if line.startswith("| soap |")]  # measured at one budget: the others '–'
+    assert soap[1] == "| soap | 0.95 | pipedream-2bw@2: gap | – | +0.200 ± 0.020 (3 seeds) | – |"
 
 
 def test_budgets_run_with_different_learning_rate_schedules_are_drawn_and_the_table_says_so(tmp_path):
@@ -135,7 +154,8 @@ def test_the_study_command_draws_the_budget_figure_from_several_study_files(tmp_
     paths = [str(_study(tmp_path, model, _grid(0.2, 0.02)).path) for model in ("moe_cpu_1m", "moe_cpu_4m")]
     assert main(["study", "--budget-figure", str(tmp_path / "figure"), *paths]) == 0
     assert capsys.readouterr().out.split() == [str(tmp_path / "figure" / name)
-                                               for name in ("gap_vs_budget.png", "budget.json", "budget.md")]
+                                               for name in ("gap_vs_budget.png", "budget.json", "budget.md",
+                                                                         "budget_headline.md")]
     with pytest.raises(SystemExit):  # several studies are a budget figure's, not a run's
         main(["study", *paths])
     assert "one study at a time" in capsys.readouterr().err
