@@ -195,8 +195,9 @@ def _markdown(budgets: list[Budget], rows: list[dict]) -> str:
 
 
 def _headline(budgets: list[Budget], rows: list[dict]) -> str:
-    """The gaps side by side, a column per budget: a row per optimizer and momentum for its sync loss, one per
-    delayed mode and EF λ for its gap, one for the share EF removes; the passes over the data last."""
+    """The gaps side by side, a column per budget: per optimizer and momentum that every study ran, a row for
+    its sync loss, one per delayed mode and EF λ for its gap, one for the share EF removes; the passes over
+    the data last."""
     by_key = {(r["tokens_per_parameter"], r["optimizer"], r["momentum"], r["mode"], r["ef_lambda"]): r for r in rows}
     lines = ["Each mode at its own tuned learning rate (protocol per_mode); gap: validation loss − the sync arm's,",
              "mean ± standard deviation of the paired differences (seeds); '–': not finished.", "",
@@ -207,7 +208,9 @@ def _headline(budgets: list[Budget], rows: list[dict]) -> str:
         found = [by_key.get((b.tokens_per_parameter, *key)) for b in budgets]
         return [show(row) if row is not None and row["val_loss"] is not None else "–" for row in found]
 
-    lanes = sorted({(r["optimizer"], r["momentum"]) for r in rows})
+    measured = [{(r["optimizer"], r["momentum"]) for r in rows if r["tokens_per_parameter"] == b.tokens_per_parameter}
+                for b in budgets]
+    lanes = sorted(set.intersection(*measured))  # another study's optimizers and momenta are in budget.md
     delayed = sorted({(r["mode"], r["ef_lambda"]) for r in rows if r["mode"] != "sync"})
     for optimizer, momentum in lanes:
         head = [optimizer, f"{momentum:g}"]

@@ -109,8 +109,7 @@ def test_each_study_is_a_point_at_its_tokens_per_parameter_with_its_per_mode_gap
         "+0.010 ± 0.020 (3 seeds) |",
         "| adamw | 0.95 | pipedream-2bw@2 + EF λ 1: share of the gap EF removes | 83% | 90% | 90% |"]
     assert headline[-1] == "|  |  | passes over the training data | – | – | 2.21 |"
-    soap = [line for line in headline if line.startswith("| soap |")]  # measured at one budget: the others '–'
-    assert soap[1] == "| soap | 0.95 | pipedream-2bw@2: gap | – | +0.200 ± 0.020 (3 seeds) | – |"
+    assert len(headline) == 5 + 2 * 4 + 1  # soap, which one study ran, is in budget.md alone
 
 
 def test_budgets_run_with_different_learning_rate_schedules_are_drawn_and_the_table_says_so(tmp_path):
