@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .figures import pyplot, save_figure
 from .grid import Study, StudyError
-from .results import markdown_head, markdown_row, spread
+from .results import gap_cell, markdown_head, markdown_row, share_cell, spread
 
 __all__ = ["PROTOCOL", "Budget", "budget_of", "budget_rows", "write_budget_figure"]
 
@@ -186,11 +186,10 @@ def _markdown(budgets: list[Budget], rows: list[dict]) -> str:
               *markdown_head(["tokens per parameter", "optimizer", "mode", "EF λ", "momentum", "learning rate",
                               "val_loss", "gap"])]
     for r in rows:
-        gap = "–" if r["gap"] is None else spread(r["gap"], r["gap_std"], r["seeds"])
         learning_rate = "–" if r["learning_rate"] is None else f"{r['learning_rate']:g}"
         val_loss = spread(r["val_loss"], r["val_loss_std"], r["seeds"], signed=False, count=False)
         lines.append(markdown_row([f"{r['tokens_per_parameter']:.3g}", r["optimizer"], r["mode"],
-                                   f"{r['ef_lambda']:g}", f"{r['momentum']:g}", learning_rate, val_loss, gap]))
+                                   f"{r['ef_lambda']:g}", f"{r['momentum']:g}", learning_rate, val_loss, gap_cell(r)]))
     return "\n".join(lines) + "\n"
 
 
@@ -205,8 +204,7 @@ def _headline(budgets: list[Budget], rows: list[dict]) -> str:
                                                             f"({b.parameters / 1e6:.2g}M parameters)" for b in budgets)])]
 
     def cells(key: tuple, show) -> list[str]:
-        found = [by_key.get((b.tokens_per_parameter, *key)) for b in budgets]
-        return [show(row) if row is not None and row["val_loss"] is not None else "–" for row in found]
+        return [show(by_key.get((b.tokens_per_parameter, *key))) for b in budgets]  # show(None): '–'
 
     measured = [{(r["optimizer"], r["momentum"]) for r in rows if r["tokens_per_parameter"] == b.tokens_per_parameter}
                 for b in budgets]
@@ -215,24 +213,22 @@ def _headline(budgets: list[Budget], rows: list[dict]) -> str:
     for optimizer, momentum in lanes:
         head = [optimizer, f"{momentum:g}"]
         lines.append(markdown_row([*head, "sync: validation loss", *cells(
-            (optimizer, momentum, "sync", 0.0), lambda r: spread(r["val_loss"], r["val_loss_std"], r["seeds"],
-                                                                   signed=False))]))
+            (optimizer, momentum, "sync", 0.0),
+            lambda r: "–" if r is None else spread(r["val_loss"], r["val_loss_std"], r["seeds"], signed=False))]))
         for mode, ef in delayed:
             label = f"{mode}" + (f" + EF λ {ef:g}" if ef else "")
-            lines.append(markdown_row([*head, f"{label}: gap", *cells(
-                (optimizer, momentum, mode, ef), lambda r: spread(r["gap"], r["gap_std"], r["seeds"]))]))
+            lines.append(markdown_row([*head, f"{label}: gap", *cells((optimizer, momentum, mode, ef), gap_cell)]))
             if ef:
                 lines.append(markdown_row([*head, f"{label}: share of the gap EF removes", *cells(
-                    (optimizer, momentum, mode, ef),
-                    lambda r: "–" if r["ef_recovered"] is None else f"{100 * r['ef_recovered']:.0f}%")]))
+                    (optimizer, momentum, mode, ef), lambda r: share_cell(r and r["ef_recovered"]))]))
     lines.append(markdown_row(["", "", "passes over the training data",
                                *("–" if b.passes is None else f"{b.passes:.2f}" for b in budgets)]))
     return "\n".join(lines) + "\n"
 
 
 def write_budget_figure(out_dir: str | Path, studies: list[Study]) -> list[Path]:
-    """gap_vs_budget.png, budget.json, budget.md and budget_headline.md in out_dir from the studies' results (see the module's
-    docstring); StudyError for studies that cannot share the axis. Returns the files written."""
+    """gap_vs_budget.png, budget.json, budget.md and budget_headline.md in out_dir from the studies' results (see
+    the module's docstring); StudyError for studies that cannot share the axis. Returns the files written."""
     if len(studies) < 2:
         raise StudyError("a budget figure needs at least two studies, one per budget")
     budgets, rows = budget_rows(studies)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["ef_share", "final_losses", "results_rows", "spread", "summary_markdown", "write_results"]
+__all__ = ["ef_share", "final_losses", "gap_cell", "results_rows", "share_cell", "spread", "summary_markdown",
+           "write_results"]
 
 COLUMNS = ("protocol", "optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
            "gap", "gap_std", "ef_recovered")
@@ -45,6 +46,16 @@ def spread(mean: float, std: float, seeds: int, signed: bool = True, count: bool
     if seeds > 1:
         value += f" ± {std:.3f}"
     return f"{value} ({seeds_label(seeds)})" if count else value
+
+
+def gap_cell(row: dict | None) -> str:
+    """A row's gap to sync as the tables print it; '–' without the row or without a paired sync arm."""
+    return "–" if row is None or row["gap"] is None else spread(row["gap"], row["gap_std"], row["seeds"])
+
+
+def share_cell(share: float | None) -> str:
+    """EF's share of the gap (`ef_recovered`) as the tables print it, in whole percent; '–' without one."""
+    return "–" if share is None else f"{100 * share:.0f}%"
 
 
 def seeds_label(seeds: int) -> str:
@@ -123,11 +134,6 @@ def _protocol_summary(rows: list[dict]) -> str:
     pairs = sorted({(r["optimizer"], r["momentum"]) for r in rows})
     lambdas = sorted({r["ef_lambda"] for r in rows})
 
-    def gap(row) -> str:
-        if row is None or row["gap"] is None:
-            return "–"
-        return spread(row["gap"], row["gap_std"], row["seeds"])
-
     lines = ["Gap to sync: validation loss − the sync arm's (same optimizer, momentum and seed), mean ± standard",
              "deviation of the paired differences (seeds); '–': not finished, or not in the grid.", "",
              *markdown_head(["optimizer", "momentum", "EF λ", "sync val_loss", *modes])]
@@ -135,7 +141,7 @@ def _protocol_summary(rows: list[dict]) -> str:
         sync = by_key.get((optimizer, momentum, 0.0, "sync"))
         base = spread(sync["val_loss"], sync["val_loss_std"], sync["seeds"], signed=False) if sync else "–"
         for ef in lambdas:
-            cells = [gap(by_key.get((optimizer, momentum, ef, mode))) for mode in modes]
+            cells = [gap_cell(by_key.get((optimizer, momentum, ef, mode))) for mode in modes]
             lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", base, *cells]))
     if any(ef > 0 for ef in lambdas):
         lines += ["", "Share of the EF-off gap that Error Feedback removes, (gap_off − gap_ef) / gap_off ('–': no",
@@ -143,7 +149,7 @@ def _protocol_summary(rows: list[dict]) -> str:
                   *markdown_head(["optimizer", "momentum", "EF λ", *modes])]
         for optimizer, momentum in pairs:
             for ef in (ef for ef in lambdas if ef > 0):
-                cells = [_cell("ef_recovered", (by_key.get((optimizer, momentum, ef, mode)) or {}).get("ef_recovered"))
+                cells = [share_cell((by_key.get((optimizer, momentum, ef, mode)) or {}).get("ef_recovered"))
                          for mode in modes]
                 lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", *cells]))
     return "\n".join(lines) + "\n"
@@ -155,7 +161,7 @@ def _cell(column: str, value) -> str:
     if column in ("gap",):
         return f"{value:+.4f}"
     if column == "ef_recovered":
-        return f"{100 * value:.0f}%"
+        return share_cell(value)
     if column in ("val_loss", "val_loss_std", "gap_std"):
         return f"{value:.4f}"
     return f"{value:g}" if isinstance(value, float) else str(value)

@@ -112,6 +112,17 @@ def test_each_study_is_a_point_at_its_tokens_per_parameter_with_its_per_mode_gap
     assert len(headline) == 5 + 2 * 4 + 1  # soap, which one study ran, is in budget.md alone
 
 
+def test_a_delayed_mode_without_a_paired_sync_seed_shows_no_gap_in_the_headline(tmp_path):
+    """A delayed arm can finish before its seed's sync arm: its row has no gap yet, and no share."""
+    unpaired = [{**row, "gap": None, "gap_std": None, "ef_recovered": None} if row["optimizer"] == "muon"
+                and row["mode"] != "sync" else row for row in _grid(0.3, 0.05)]
+    studies = [_study(tmp_path, "moe_cpu_1m", _grid(0.2, 0.02)), _study(tmp_path, "moe_cpu_4m", unpaired)]
+    write_budget_figure(tmp_path / "figure", studies)
+    headline = (tmp_path / "figure" / "budget_headline.md").read_text()
+    assert "| muon | 0.95 | pipedream-2bw@2: gap | – | +0.200 ± 0.020 (3 seeds) |" in headline
+    assert "| muon | 0.95 | pipedream-2bw@2 + EF λ 1: share of the gap EF removes | – | 90% |" in headline
+
+
 def test_budgets_run_with_different_learning_rate_schedules_are_drawn_and_the_table_says_so(tmp_path):
     floor = dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1})
     studies = [_study(tmp_path, "moe_cpu_1m", _grid(0.2, 0.02)),
