@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .figures import pyplot, save_figure
 from .grid import Study, StudyError
-from .results import gap_cell, markdown_head, markdown_row, share_cell, spread
+from .results import gap_cell, markdown_head, markdown_row, row_share_cell, spread
 
 __all__ = ["PROTOCOL", "Budget", "budget_of", "budget_rows", "write_budget_figure"]
 
@@ -220,7 +220,7 @@ def _headline(budgets: list[Budget], rows: list[dict]) -> str:
             lines.append(markdown_row([*head, f"{label}: gap", *cells((optimizer, momentum, mode, ef), gap_cell)]))
             if ef:
                 lines.append(markdown_row([*head, f"{label}: share of the gap EF removes", *cells(
-                    (optimizer, momentum, mode, ef), lambda r: share_cell((r or {}).get("ef_recovered")))]))
+                    (optimizer, momentum, mode, ef), row_share_cell)]))
     lines.append(markdown_row(["", "", "passes over the training data",
                                *("–" if b.passes is None else f"{b.passes:.2f}" for b in budgets)]))
     return "\n".join(lines) + "\n"

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["ef_share", "final_losses", "gap_cell", "results_rows", "share_cell", "spread", "summary_markdown",
-           "write_results"]
+__all__ = ["ef_share", "final_losses", "gap_cell", "results_rows", "row_share_cell", "share_cell", "spread",
+           "summary_markdown", "write_results"]
 
 COLUMNS = ("protocol", "optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
            "gap", "gap_std", "ef_recovered")
@@ -56,6 +56,11 @@ def gap_cell(row: dict | None) -> str:
 def share_cell(share: float | None) -> str:
     """EF's share of the gap (`ef_recovered`) as the tables print it, in whole percent; '–' without one."""
     return "–" if share is None else f"{100 * share:.0f}%"
+
+
+def row_share_cell(row: dict | None) -> str:
+    """A row's EF share as the tables print it; '–' without the row (an arm not finished or not in the grid)."""
+    return share_cell(None if row is None else row["ef_recovered"])
 
 
 def seeds_label(seeds: int) -> str:
@@ -149,7 +154,7 @@ def _protocol_summary(rows: list[dict]) -> str:
                   *markdown_head(["optimizer", "momentum", "EF λ", *modes])]
         for optimizer, momentum in pairs:
             for ef in (ef for ef in lambdas if ef > 0):
-                cells = [share_cell((by_key.get((optimizer, momentum, ef, mode)) or {}).get("ef_recovered"))
+                cells = [row_share_cell(by_key.get((optimizer, momentum, ef, mode)))
                          for mode in modes]
                 lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", *cells]))
     return "\n".join(lines) + "\n"
