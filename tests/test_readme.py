@@ -144,7 +144,8 @@ def test_the_results_prose_quotes_only_numbers_the_committed_report_gives():
                           for report in reports if (report / "results.json").is_file()))
     stale = [value for value in re.findall(r"[+−-]\d\.\d{3}(?: ± \d\.\d{3})?", prose)
              if value.replace("-", "−") not in tables and value.replace("−", "-") not in given]
-    assert not stale, f"README Results quotes {stale}, which no report it quotes gives ({sorted(str(r.relative_to(REPO)) for r in reports)})"
+    folders = sorted(str(report.relative_to(REPO)) for report in reports)
+    assert not stale, f"README Results quotes {stale}, which no report it quotes gives ({folders})"
 
 
 def _hand_written(text: str) -> str:
