@@ -131,7 +131,7 @@ def _play(args, config, model_config, plan, device, clock: _Clock, tracker=None)
     import dataclasses
 
     import torch
-    from torch.distributed.pipelining.schedules import FORWARD
+    from hf_asyncpp.torch_internals import FORWARD
 
     from hf_asyncpp.models.construct import build_stages
     from hf_asyncpp.models.compile import compile_layers
@@ -253,7 +253,7 @@ def _synchronizing(caught) -> int:
 def predict(args) -> dict:
     """The same loop on fake CPU tensors: the peak of live bytes and its parts, host reads."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from hf_asyncpp.torch_internals import FakeTensorMode
 
     from hf_asyncpp.models.fake_kernels import register_fake_kernels
     from hf_asyncpp.planning.host_reads import HostReads

@@ -73,7 +73,7 @@ def _sleeping_stage_times(rank, world_size, schedule: str, m: int, forward_s: fl
 
 
 def _model_step_s(schedule: str, pp_size: int, m: int, forward_s: float) -> float:
-    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD
+    from hf_asyncpp.torch_internals import FORWARD, FULL_BACKWARD
 
     from hf_asyncpp.schedules import get_schedule_spec
 

@@ -124,7 +124,7 @@ def _plot(argv: list[str]) -> int:
 def _show_schedules(argv: list[str]) -> int:
     import argparse
 
-    from torch.distributed.pipelining.schedules import _format_pipeline_order
+    from .torch_internals import _format_pipeline_order
 
     from .schedules import SCHEDULES, ScheduleError
 

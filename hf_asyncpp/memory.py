@@ -14,6 +14,8 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from .torch_internals import receive_buffers
+
 __all__ = ["held_tensors", "local_bytes", "state_bytes"]
 
 
@@ -52,9 +54,7 @@ def held_tensors(params, updaters, versioned_stages=(), torch_stages=()) -> dict
         "ef_buffer": tensors(t for u in updaters for t in getattr(u.stepper, "previous_update", {}).values()),
         "weight_version": [t for v in versioned_stages for b in v.buffers_ for t in b.values()],
         "compute_copy": [t for v in versioned_stages for c in v.live_compute_copies() for t in c.values()],
-        "receive_buffer": tensors(getattr(info, "buffer", None) for stage in torch_stages
-                                  for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
-                                  for info in infos),
+        "receive_buffer": [t for stage in torch_stages for t in receive_buffers(stage)],
     }
 
 

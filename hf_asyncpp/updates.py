@@ -39,6 +39,7 @@ from .config import OptimizerConfig, TrainConfig
 from .optim import lr_scheduler_from_config, optimizer_from_config
 from .optim.error_feedback import ErrorFeedback
 from .optim.param_groups import decay_parameter_names
+from .torch_internals import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["Updater", "Updates"]
 
@@ -219,10 +220,10 @@ class Updates:
         dp replicas then hold the same gradient."""
         if not self.gradients_averaged:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in updater.params]
-            flat = torch._utils._flatten_dense_tensors(grads)
+            flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.layout.dp_group)
             flat /= self.layout.dp_size
-            for p, synced in zip(updater.params, torch._utils._unflatten_dense_tensors(flat, grads)):
+            for p, synced in zip(updater.params, _unflatten_dense_tensors(flat, grads)):
                 p.grad = synced
         squared = None
         for index in updater.module_indices:

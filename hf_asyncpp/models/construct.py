@@ -27,7 +27,7 @@ import json
 import os
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily  # pinned: tests/schedules/test_torch_internals.py
+from ..torch_internals import unset_fake_temporarily
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM

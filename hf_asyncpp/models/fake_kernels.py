@@ -10,8 +10,7 @@ table, so real and meta tensors are untouched.
 from __future__ import annotations
 
 import torch
-from torch._subclasses import fake_impls  # pinned: tests/schedules/test_torch_internals.py
-from torch._subclasses.fake_tensor import FakeTensor
+from ..torch_internals import FakeTensor, fake_impls
 
 __all__ = ["register_fake_kernels"]
 

@@ -12,6 +12,8 @@ router statistics vector of `router_stats` (2E + 1 floats). The last stage retur
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -27,6 +29,8 @@ _MASK_BUILDERS = {
     "full_attention": create_causal_mask,
     "sliding_attention": create_sliding_window_causal_mask,
 }
+# The builders' required cache argument: `past_key_values` in transformers 5.17, `cache` from 5.24 on.
+_MASK_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 def router_class_of(causal_lm: nn.Module) -> type | None:
@@ -94,8 +98,8 @@ class PipelineStageModule(nn.Module):
                 config=self.config,
                 inputs_embeds=hidden,
                 attention_mask=None,
-                cache=None,
                 position_ids=None,
+                **{_MASK_CACHE_ARGUMENT: None},
             )
             for kind in set(self.attention_types.values())
         }

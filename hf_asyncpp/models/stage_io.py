@@ -13,7 +13,7 @@ runs, with the parameters in the compute dtype, as FSDP2 or the version store ca
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # pinned: tests/schedules/test_torch_internals.py
+from ..torch_internals import FakeTensorMode, unset_fake_temporarily
 
 from ..parallel.fsdp import keeps_fp32
 from .construct import meta_model

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..torch_internals import _foreach_sub, _foreach_sub_
+
 __all__ = ["ErrorFeedback"]
 
 
@@ -46,14 +48,14 @@ class ErrorFeedback:
         # Multi-tensor ops (a few passes over the stage's weights, not a Python loop per tensor);
         # this step's updates then become the stored previous ones (no copy).
         updates = before
-        torch._foreach_sub_(updates, params)  # u_t = x_t − x_t', in place of the copies
+        _foreach_sub_(updates, params)  # u_t = x_t − x_t', in place of the copies
         previous = [self.previous_update.get(p) for p in params]
         for i, p in enumerate(params):
             if previous[i] is None:
                 previous[i] = self.previous_update[p] = torch.zeros_like(p)
         if extrapolate:
-            change = torch._foreach_sub(updates, previous)
-            torch._foreach_sub_(params, change, alpha=self.ef_lambda)
+            change = _foreach_sub(updates, previous)
+            _foreach_sub_(params, change, alpha=self.ef_lambda)
         self.previous_update.update(zip(params, updates))
 
     def state_dict(self) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
+from ..torch_internals import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
 
 from .whole_tensor import gather, keep_local_part
 

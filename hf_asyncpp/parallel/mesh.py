@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.distributed_c10d import _abort_process_group  # pinned: tests/parallel/test_mesh.py
+from ..torch_internals import _abort_process_group, _set_pg_timeout  # behaviour: tests/parallel/test_mesh.py
 
 from .launch import LaunchInfo
 
@@ -151,7 +151,7 @@ def _io_backend() -> str:
 def _bound_collectives(groups, timeout: timedelta) -> None:
     """Make every collective on `groups` fail after `timeout` without its peers."""
     for group in groups if dist.get_backend() != "fake" else ():  # a fake group waits for nothing
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        _set_pg_timeout(timeout, group)
 
 
 def link_timeout(device: torch.device, comm_timeout: timedelta, asynchronous: bool) -> timedelta:

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from ..torch_internals import FakeTensor, unset_fake_temporarily
 
 __all__ = ["READS", "HostRead", "HostReads"]
 

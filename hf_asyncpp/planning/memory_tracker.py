@@ -14,9 +14,9 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ..torch_internals import TorchDispatchMode, tree_flatten
 
 __all__ = ["MemoryTracker"]
 

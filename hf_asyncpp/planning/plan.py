@@ -62,8 +62,7 @@ def _hooks(tracker: MemoryTracker, engine) -> list:
 
 def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
     """Play `rank` of a `world_size` layout of `config` on fake tensors: its peak and host reads."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # pinned: tests/schedules/test_torch_internals.py
+    from ..torch_internals import FakeTensorMode, fake_store
 
     from ..engine import PipelineEngine
     from ..models.fake_kernels import register_fake_kernels
@@ -71,7 +70,7 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
     from ..parallel.mesh import init_parallel, shutdown_parallel
 
     register_fake_kernels()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         layout = init_parallel(LaunchInfo(world_size, rank, rank, launched=True), config.pp_size)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

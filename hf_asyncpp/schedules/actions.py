@@ -15,13 +15,9 @@ from __future__ import annotations
 from unittest import mock
 
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    FULL_BACKWARD,
-    FORWARD,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-    _Action,
-)
+from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+from ..torch_internals import FORWARD, FULL_BACKWARD, _Action
 
 __all__ = ["ComputeActions", "gpipe_actions", "one_f_one_b_actions", "torch_multi_stage_actions"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
+from ..torch_internals import FORWARD, REDUCE_GRAD, _Action
 
 from .comm_plan import CommPlanner, P2PBatch
 from .validate import ScheduleError

@@ -1,17 +1,17 @@
-"""torch's action-list runtime, extended to run an asynchronous schedule one step at a time.
+"""The action-list runtime (runtime.py), extended to run an asynchronous schedule one step at a time.
 
-torch's `step()` flushes: it clears every stage's in-flight state and its action list must hold
+A synchronous `step()` flushes: it clears every stage's in-flight state and its action list holds
 every forward and backward of the step. Here each `run_step` executes only this rank's program for
 one segment of a continuous order (async_order.py: `SegmentPrograms`, with its communication planned
-by comm_plan.py) through torch's own `_step_microbatches`, without clearing runtime state, so
-microbatches forwarded in step k are backwarded in step k + 1:
+by comm_plan.py), without clearing runtime state, so microbatches forwarded in step k are backwarded
+in step k + 1:
 
-  - torch's per-stage state is keyed by chunk id; global microbatch j uses slot j mod n_slots, the
+  - a stage's per-microbatch state is keyed by chunk id; global microbatch j uses slot j mod n_slots, the
     fewest slots the order's plays allow (async_order.held_spans; the planner checks that no slot is
     reused, nor received into, while another microbatch holds it). A slot may serve several
     microbatches in one step, one after another: each forward takes the next microbatch of its
     slot in program order, and its rows (first stage) and labels (last stage) by that id;
-  - losses are kept per slot (torch's list would be cleared at the end of every call);
+  - losses are kept per slot until the slot's backward;
   - before each forward (the stage's "weight_version" hook, stage_hooks.py) the stage's
     `VersionedStage` is bound to the version buffer the order assigns to that microbatch; autograd
     keeps the binding for the backward;
@@ -24,7 +24,7 @@ microbatches forwarded in step k are backwarded in step k + 1:
     posted at most one step after its send), so no more than two steps of sent tensors are kept, and
     `finish()` waits for the last ones.
 
-`step()` / `eval()` (torch's flushing entry points) are not used on this schedule.
+The flushing entry points (`step()` / `eval()`) are not this schedule's.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 
+from ..torch_internals import FORWARD, _Action
 from .async_order import GlobalClipping, SegmentPrograms, norm_reads, replay_after, statistics_read
 from .comm_plan import is_compute
 from .registry import ScheduleSpec
@@ -66,11 +66,9 @@ class AsyncPipelineSchedule(ProgramRuntime):
         self.n_slots = order.n_slots(self.pp_size, n_microbatches)
         super().__init__(stages, self.n_slots, loss_fn, scale_grads=False, links=links)
         self.order, self.m = order, n_microbatches
-        self.stage_index_to_group_rank = spec.stage_ranks(self.pp_size)
+        self.set_stage_ranks(spec.stage_ranks(self.pp_size))
         for stage in self._stages:
-            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
             stage.subscribe("weight_version", self._on_its_version)
-        self.register_custom_function(REDUCE_GRAD, self._apply_due_update)
         self.stage_updates = stage_updates
         self.clipping = GlobalClipping(order, self.pp_size, n_microbatches)
         self._slot_forwards: dict[tuple[int, int], deque[int]] = {}  # (stage, slot) → this step's forwards, in order
@@ -79,7 +77,6 @@ class AsyncPipelineSchedule(ProgramRuntime):
         self._carry = None  # the previous step's statistics, for the step's statistics read
         self._held: dict[int, int] = {}  # stage → the unit whose update it holds (updates_held)
         self._statistics_read_at: _Action | None = None
-        self._losses: dict[int, torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}  # minibatch index → its rows, while it may be forwarded
         self.step_index = 0
         self._programs = self._plan_from(0, n_steps, replay=None)
@@ -96,7 +93,7 @@ class AsyncPipelineSchedule(ProgramRuntime):
     def n_steps(self, n_steps: int) -> None:
         self._programs.n_steps = n_steps
 
-    # --- hooks: the stages' (stage_hooks.py) and torch's runtime's -----------------------------
+    # --- hooks: the stages' (stage_hooks.py) and the runtime's ----------------------------------
 
     def _version_of(self, stage_index: int, j: int) -> int:
         return self.order.version(stage_index, self.pp_size, j, self.m)
@@ -116,7 +113,7 @@ class AsyncPipelineSchedule(ProgramRuntime):
             call.args = (self._microbatch(j),)
         yield
 
-    def _apply_due_update(self, action: _Action, ctx) -> None:
+    def _reduce_grad(self, action: _Action) -> None:
         """REDUCE_GRAD of stage s after the backward of global microbatch j: the stage's update."""
         s, j = action.stage_index, action.microbatch_index
         grad_scale = 1.0 if self.order.per_microbatch_updates else 1.0 / self.m
@@ -145,12 +142,9 @@ class AsyncPipelineSchedule(ProgramRuntime):
                              "were not given")
         return self._rows[j // self.m].chunk(self.m)[j % self.m]
 
-    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
+    def _after_forward(self, stage, output, target_mbs, chunk: int) -> None:
         if stage.is_last and self._loss_fn is not None:  # right after the forward of `_forwarding`
-            self._losses[mb_index] = self._compute_loss(output, self._microbatch(self._forwarding), loss_kwargs)
-
-    def _maybe_get_loss(self, stage, mb_index):
-        return self._losses.pop(mb_index) if stage.is_last else None
+            self._losses[chunk] = self._compute_loss(output, self._microbatch(self._forwarding))
 
     # --- one optimizer step's segment ----------------------------------------------------------
 
@@ -164,30 +158,18 @@ class AsyncPipelineSchedule(ProgramRuntime):
         self._rows.update({k: r for k, r in ((step, rows), (step + 1, next_rows)) if r is not None})
         program = self._programs.program(self.rank, step)
         self._slot_forwards = {}
-        ends = {0: None, self._num_stages - 1: None}  # a microbatch the first (last) stage forwards here
         for a in program:
             if is_compute(a) and a.computation_type == FORWARD:
                 j = a.microbatch_index
                 self._slot_forwards.setdefault((a.stage_index, j % self.n_slots), deque()).append(j)
-                if a.stage_index in ends:
+                if a.stage_index in (0, self._num_stages - 1):
                     self._microbatch(j)  # its rows were given
-                    ends[a.stage_index] = j if ends[a.stage_index] is None else ends[a.stage_index]
         # The one host read of a steady step: an update's norm, with the previous step's statistics.
         reads = norm_reads(program, self.clipping if self.updates_held else None, self._held)
         self._statistics_read_at = statistics_read(reads, self.updates_held)
-        # Forwards take their rows and labels by microbatch id (_on_its_version, _maybe_compute_loss);
-        # torch reads slot 0's only on its first call, to infer shapes (any microbatch serves).
-        arg_mbs: list = [()] * self.n_slots
-        target_mbs: list = [None] * self.n_slots
-        if ends[0] is not None:
-            arg_mbs[0] = (self._microbatch(ends[0]),)
-        if ends[self._num_stages - 1] is not None:
-            target_mbs[0] = self._microbatch(ends[self._num_stages - 1])
-        # What torch's step() does besides flushing: tell the stages a backward follows.
-        for stage in self._stages:
-            stage.has_backward = self._has_backward
+        # Forwards take their rows and labels by microbatch id (_on_its_version, _after_forward).
         flat, batches = self._lowered(program, slot=lambda j: j % self.n_slots)
-        self._run_program(flat, batches, arg_mbs, None, target_mbs, return_outputs=False)
+        self._run_program(flat, batches, [()] * self.n_slots, None, return_outputs=False)
         self._carry = None
         self._rows = {k: r for k, r in self._rows.items() if k > step - 2}
         self.retire_sends(programs_back=SENDS_KEPT_FOR_STEPS)

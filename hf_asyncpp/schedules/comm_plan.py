@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from torch.distributed.pipelining.schedules import (
+from ..torch_internals import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,

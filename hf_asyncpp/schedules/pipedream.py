@@ -33,7 +33,7 @@ with delay 1 at any warm-up, so m < p − 1 costs it idle time, not staleness.
 
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action
+from ..torch_internals import FORWARD, FULL_BACKWARD, _Action
 
 from .async_order import AsyncOrder
 

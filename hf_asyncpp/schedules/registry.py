@@ -10,14 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
-from torch.distributed.pipelining.schedules import (
-    BACKWARD_INPUT,
-    BACKWARD_WEIGHT,
-    FORWARD,
-    FULL_BACKWARD,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+from ..torch_internals import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
 from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, StepBoundary, check_versions

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
+from ..torch_internals import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,

@@ -13,7 +13,7 @@ across the switch and a version lives in buffer version mod n_buffers either way
 
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action
+from ..torch_internals import FORWARD, FULL_BACKWARD, _Action
 
 from .async_order import AsyncOrder
 

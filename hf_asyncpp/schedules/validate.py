@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torch.distributed.pipelining.schedules import (
+from ..torch_internals import (
     BACKWARD_INPUT,
     FORWARD,
     FULL_BACKWARD,

@@ -24,7 +24,7 @@ the slots [4mk + r, 4m(k+1) + r): it forwards only minibatch k, so no lookahead 
 
 from __future__ import annotations
 
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action
+from ..torch_internals import FORWARD, FULL_BACKWARD, _Action
 
 from .async_order import AsyncOrder
 

@@ -1,8 +1,9 @@
-"""Pins the private torch.distributed.pipelining APIs hf_asyncpp.schedules is built on.
+"""Pins the private torch names hf_asyncpp uses (hf_asyncpp/torch_internals.py) on the installed torch.
 
 These are underscore names with no stability promise. Each test names what the project uses, so a
 torch upgrade that changes one fails here, with a precise message, rather than deep inside a
-multi-process run. Update the project and these pins together.
+multi-process run. CI runs this file at both ends of the supported range (torch 2.11 and 2.15) and the
+full suite at 2.13; where releases differ, the test says which behaviour each release has.
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.pipelining.schedules import (
+
+from hf_asyncpp import torch_internals
+from hf_asyncpp.schedules.actions import one_f_one_b_actions, torch_multi_stage_actions
+from hf_asyncpp.torch_internals import (
+    RELEASE,
+    SUPPORTED,
     _Action,
-    _add_reduce_grad,
     _add_unshard_reshard,
     _ComputationType,
     _format_pipeline_order,
-    _PipelineScheduleRuntime,
     _validate_schedule,
 )
-
-from hf_asyncpp.schedules.actions import one_f_one_b_actions, torch_multi_stage_actions
 
 
 def parse(table: dict[int, str]) -> dict[int, list[_Action]]:
@@ -44,9 +47,22 @@ def mock_stage(pp_size: int, n_stages: int, rank: int = 0):
     return stage
 
 
-def test_torch_version_is_2_13():
-    """The pins below were taken on torch 2.13; on another version re-check them all."""
-    assert torch.__version__.startswith("2.13"), torch.__version__
+def test_the_installed_torch_is_in_the_supported_range():
+    assert SUPPORTED == ((2, 11), (2, 15))
+    assert SUPPORTED[0] <= RELEASE <= SUPPORTED[1], torch.__version__
+
+
+@pytest.mark.parametrize("version, release", [("2.11.0+cu130", (2, 11)), ("2.13.0+cpu", (2, 13)), ("2.15.0", (2, 15)),
+                                              ("2.16.0.dev20261201", (2, 16))])
+def test_a_release_is_read_from_any_build_of_torch(version, release):
+    assert torch_internals.release_of(version) == release
+
+
+def test_setup_cfg_states_the_same_range():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "setup.cfg").read_text()
+    assert "torch>=2.11,<2.16" in text
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,54 +183,94 @@ def test_format_pipeline_order_is_a_rank_by_step_table():
 
 
 # --------------------------------------------------------------------------------------------
-# Runtime and stage: what hf_asyncpp.schedules.runtime and the engine call
+# Stage: what hf_asyncpp.schedules.runtime (our own runtime) calls
 # --------------------------------------------------------------------------------------------
 
 
-def test_runtime_sets_the_stage_to_rank_map_from_compute_lists_without_a_process_group():
-    """ActionListSchedule takes torch's stage → rank map from its lists; the program is ours."""
-    runtime = _PipelineScheduleRuntime(
-        stages=[mock_stage(2, 2)], n_microbatches=4, loss_fn=lambda out, target: out, scale_grads=True
-    )
-    runtime._validate_and_set_stage_mapping(one_f_one_b_actions(2, 4))
-    assert runtime.stage_index_to_group_rank == {0: 0, 1: 1}
-    assert runtime._num_stages == 2 and runtime.rank == 0
-    assert hasattr(runtime, "_has_backward")
+def test_the_stage_metadata_generation_of_each_release():
+    """prepare_stages sets stages up from `inputs_meta` on 2.11 and from `_user_meta` in STATIC
+    inference mode from 2.12 on."""
+    assert torch_internals.STAGE_METADATA == ("inputs_meta" if RELEASE <= (2, 11) else "inference_mode")
+    if torch_internals.STAGE_METADATA == "inference_mode":
+        from torch.distributed.pipelining._utils import InferenceMode
+
+        assert InferenceMode.STATIC.name == "STATIC"
+        params = list(inspect.signature(PipelineStage._prepare_backward_infra).parameters)
+        assert params[:5] == ["self", "num_microbatches", "loss_fn", "target", "received_grad_meta"]
+        assert "has_backward" in inspect.signature(PipelineStage._prepare_forward_infra).parameters
+    else:
+        assert list(inspect.signature(PipelineStage._prepare_backward_infra).parameters) == ["self", "num_microbatches"]
 
 
-def test_add_reduce_grad_reduces_a_stage_after_its_last_backward():
-    """Synchronous FSDP stages reduce their gradient once per step (schedules/runtime.py)."""
-    program = _add_reduce_grad(parse({0: "0F0 0F1 0B0 0B1"})[0], 2)
-    assert " ".join(str(a) for a in program) == "0F0 0F1 0B0 0B1 0REDUCE_GRAD"
+@pytest.fixture
+def one_rank_fake_group():
+    """A "fake" process group of `world_size` ranks played by this process (no messages move)."""
+    created = []
+
+    def start(world_size: int, rank: int):
+        dist.init_process_group("fake", store=torch_internals.fake_store(), rank=rank, world_size=world_size)
+        created.append(True)
+
+    yield start
+    if created:
+        dist.destroy_process_group()
 
 
-def test_runtime_dispatches_any_action_type_registered_in_its_function_map():
-    """ProgramRuntime posts its P2P batches by putting SEND_F/SEND_B/RECV_F/RECV_B into this map
-    (register_custom_function refuses them, the dispatch does not), and the asynchronous runtime
-    registers REDUCE_GRAD as a stage's update."""
-    runtime = _PipelineScheduleRuntime(stages=[mock_stage(2, 2)], n_microbatches=1, loss_fn=None)
-    assert runtime._comp_type_to_function_map == {}
-    runtime.register_custom_function(_ComputationType.REDUCE_GRAD, lambda action, ctx: None)
-    source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
-    dispatch = source.index("if action.computation_type in self._comp_type_to_function_map:")
-    assert dispatch < source.index("_perform_action(action)"), "the map must be consulted before torch's own handling"
-    assert "self._comp_type_to_function_map[action.computation_type](" in source
+def _linear_stage(stage_index: int, n_stages: int, microbatch: int = 3):
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    example = torch.empty(microbatch, 4, device="meta")
+    # A later stage's input requires grad (models/stage_io.py marks it so): its gradient flows back.
+    inputs = example.clone().requires_grad_(stage_index > 0)
+    return module, PipelineStage(module, stage_index, n_stages, torch.device("cpu"), inputs, example)
 
 
-def test_runtime_waits_for_the_receive_works_it_finds_under_stage_and_chunk():
-    """ProgramRuntime hands the works of each posted batch to torch under (stage, chunk); torch pops
-    and waits for them right before the forward or backward that needs the message."""
-    runtime = _PipelineScheduleRuntime(stages=[mock_stage(2, 2)], n_microbatches=1, loss_fn=None)
-    assert runtime.fwd_recv_ops == {} and runtime.bwd_recv_ops == {}
-    source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
-    assert "_wait_batch_p2p(self.fwd_recv_ops.pop((stage_idx, mb_index)))" in source
-    assert "_wait_batch_p2p(self.bwd_recv_ops.pop((stage_idx, mb_index)))" in source
-    assert "w.wait()" in inspect.getsource(torch_schedules._wait_batch_p2p)
+def test_a_prepared_stage_computes_what_autograd_computes(one_rank_fake_group):
+    """A one-stage pipeline run through the chunk methods the runtime calls: the gradient of two
+    microbatches' summed losses, scaled by 1/2 at REDUCE_GRAD, equals plain autograd's of their mean."""
+    one_rank_fake_group(1, 0)
+    module, stage = _linear_stage(0, 1)
+    loss_fn = lambda out, target: ((out - target) ** 2).sum()  # noqa: E731
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    torch_internals.prepare_stages([stage], 2, True, loss_fn, (x[:3],), y[:3])
+    for chunk in range(2):
+        output = stage.forward_one_chunk(chunk, (x[3 * chunk:3 * chunk + 3],), {}, save_forward_output=True)
+        loss = loss_fn(output, y[3 * chunk:3 * chunk + 3])
+        stage.backward_one_chunk(chunk, loss=loss, full_backward=True, last_backward=chunk == 1)
+    stage.perform_reduce_grad(2)
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    ((loss_fn(module(x[:3]), y[:3]) + loss_fn(module(x[3:]), y[3:])) / 2).backward()
+    for got, want in zip(grads, (p.grad for p in module.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp32, same ops, summation order only
+    assert len(stage.output_chunks) == 2
 
 
-def test_runtime_has_the_step_hooks_the_project_overrides():
-    for name in ("_step_microbatches", "step", "eval"):
-        assert callable(getattr(_PipelineScheduleRuntime, name, None)), name
+def test_a_forward_only_stage_can_forget_a_forward(one_rank_fake_group):
+    """forget_forward drops what a stage keeps of a forward for its backward (`fwd_cache` up to 2.14,
+    `_forward_chunk_states` on 2.15); a forward-only program calls it once a forward is used."""
+    one_rank_fake_group(1, 0)
+    _, stage = _linear_stage(0, 1)
+    torch_internals.prepare_stages([stage], 1, False, None, (torch.randn(3, 4),))
+    with torch.no_grad():
+        stage.forward_one_chunk(0, (torch.randn(3, 4),), {}, save_forward_output=False)
+    saved = stage.fwd_cache if hasattr(stage, "fwd_cache") else stage._forward_chunk_states
+    assert 0 in saved
+    torch_internals.forget_forward(stage, 0)
+    assert 0 not in saved
+
+
+def test_a_later_stage_receives_into_buffers_of_its_static_input_shape(one_rank_fake_group):
+    """A stage after the first receives its input into a buffer per chunk: allocated at set-up up to
+    2.14, when its receive is posted on 2.15; receive_buffers lists those that exist."""
+    one_rank_fake_group(2, 1)
+    _, stage = _linear_stage(1, 2)
+    torch_internals.prepare_stages([stage], 2, True, lambda out, target: out.sum(), ())
+    ops = stage.get_fwd_recv_ops(0)
+    assert [(op.tensor.shape, op.peer) for op in ops] == [(torch.Size([3, 4]), 0)]
+    buffers = torch_internals.receive_buffers(stage)
+    assert any(b is ops[0].tensor for b in buffers)
+    assert len(buffers) == (1 if RELEASE >= (2, 15) else 2)
 
 
 @pytest.mark.parametrize(
@@ -237,19 +293,6 @@ def test_hooked_stage_overrides_the_stage_compute_methods_with_torchs_parameters
     assert listed(getattr(PipelineStage, method)) == params
     assert listed(getattr(HookedStage, method)) == params
     assert getattr(HookedStage, method) is not getattr(PipelineStage, method)
-
-
-def test_the_runtime_computes_on_a_stage_only_through_its_three_compute_methods():
-    """Every compute action torch's runtime dispatches reaches a stage through the methods
-    HookedStage overrides, looked up on the stage and called with these keywords; it never runs the
-    stage's module itself. So the hooks see every forward, full backward, backward-input and
-    backward-weight of a program."""
-    source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
-    assert source.count("stage.forward_one_chunk(") == 1 and "save_forward_output=return_outputs" in source
-    assert source.count("stage.backward_one_chunk(") == 2
-    assert "full_backward=True" in source and "full_backward=False" in source
-    assert source.count("stage.backward_weight_one_chunk(") == 1
-    assert "submod(" not in source and "forward_maybe_with_nosync" not in source and "backward_maybe" not in source
 
 
 def test_multi_stage_schedules_build_their_order_from_mock_stages():
@@ -300,61 +343,10 @@ def test_stage_p2p_ops_name_their_peer_by_global_rank():
         assert "peer_global_rank" in inspect.getsource(getattr(PipelineStage, method)), method
 
 
-def test_runtime_state_the_programs_are_run_with():
-    """ProgramRuntime sets torch's program (`pipeline_order_with_comms`, rank → actions) before each
-    run; the asynchronous runtime computes its losses with the schedule's `_loss_fn` and walks
-    `_stages`; a forward-only program drops a forward's cached outputs from the stage's `fwd_cache`
-    (chunk id → (outputs, inputs)) once used."""
-    loss_fn = lambda out, target: out  # noqa: E731
-    stage = mock_stage(2, 2)
-    runtime = _PipelineScheduleRuntime(stages=[stage], n_microbatches=1, loss_fn=loss_fn)
-    assert runtime._loss_fn is loss_fn and runtime._stages == [stage] and runtime._has_backward
-    assert "self.pipeline_order_with_comms[self.rank]" in inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
-    assert "self.fwd_cache[fwd_chunk_id] = (" in inspect.getsource(PipelineStage.forward_one_chunk)
-    assert "self.fwd_cache.pop(bwd_chunk_id)" in inspect.getsource(PipelineStage.backward_one_chunk)
-
-
-def test_runtime_hooks_used_by_the_async_runtime():
-    params = list(inspect.signature(_PipelineScheduleRuntime._step_microbatches).parameters)
-    assert params[:6] == ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses", "return_outputs"]
-    for hook in ("_maybe_compute_loss", "_maybe_get_loss", "_compute_loss", "_initialize_stages"):
-        assert callable(getattr(_PipelineScheduleRuntime, hook, None)), hook
-    # step() sets the stages' has_backward before running; the async runtime does the same itself.
-    assert "stage.has_backward = self._has_backward" in inspect.getsource(torch_schedules.PipelineScheduleMulti.step)
-
-
 def test_add_unshard_reshard_gathers_a_stage_before_its_first_compute_and_releases_it_after():
     """The forward-only (evaluation) program of FSDP stages relies on it (schedules/runtime.py)."""
     program = _add_unshard_reshard(parse({0: "0F0 0F1"})[0])
     assert " ".join(str(a) for a in program) == "0UNSHARD 0F0 0F1 0RESHARD"
-
-
-def test_runtime_records_whether_its_stages_were_initialised():
-    """The asynchronous runtime gives torch's one-time shape inference a microbatch in slot 0 when a
-    resumed run's first segment has none there (schedules/async_runtime.py)."""
-    source = inspect.getsource(torch_schedules.PipelineScheduleMulti._initialize_stages)
-    assert "_stages_forward_initialized" in source
-    source = inspect.getsource(_PipelineScheduleRuntime._step_microbatches)
-    assert "target_mbs[0]" in source and "arg_mbs[0]" in source
-
-
-# --- static stage metadata and fake tensors ----------------------------------------------------
-
-
-def test_runtime_asks_a_warmup_hook_for_the_stages_inference_mode():
-    """ProgramRuntime overrides `_warmup_p2p` to mark every stage's metadata static (its stages are
-    given their inputs and outputs, models/stage_io.py) instead of torch's vote."""
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    source = inspect.getsource(torch_schedules._PipelineSchedule._initialize_pp_stages)
-    assert "self._warmup_p2p(stages, self._has_backward, p2p_done)" in source
-    assert list(inspect.signature(torch_schedules._PipelineSchedule._warmup_p2p).parameters) == [
-        "self", "stages", "has_backward", "p2p_done"]
-    assert InferenceMode.STATIC.name == "STATIC"
-    stage_source = inspect.getsource(PipelineStage._prepare_forward_infra)
-    assert "self._inference_mode == InferenceMode.DYNAMIC" in stage_source
-    assert "self._stage_meta.inputs = self._user_meta.inputs" in stage_source
-    assert "is_complete_for_forward" in dir(torch.distributed.pipelining._utils._StageMeta)
 
 
 def test_fake_tensor_internals_used_by_stage_io_and_the_plan():
