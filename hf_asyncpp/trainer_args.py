@@ -26,7 +26,7 @@ from transformers import TrainingArguments
 from .config import ConfigError, TrainConfig, config_from_values
 from .config_checks import apply_launch_settings, check_settings, fit_to_one_process
 
-__all__ = ["AsyncPPTrainingArguments", "HONOURED", "REFUSED"]
+__all__ = ["AsyncPPTrainingArguments", "HONOURED", "REFUSED", "SINCE_TRANSFORMERS_5_24"]
 
 # Every field of transformers' TrainingArguments is in exactly one of these (tests/test_trainer_args.py
 # enumerates them, so a field a new transformers version adds fails until it is placed here).
@@ -105,6 +105,10 @@ HONOURED = {
     "resume_from_checkpoint": "not used by Trainer either: pass it to train()",
     "local_rank": "set by the launcher",
 }
+# Fields named above that transformers added in 5.24 (activation checkpointing's names beside gradient
+# checkpointing's): absent from TrainingArguments under the older releases supported (5.17 on).
+SINCE_TRANSFORMERS_5_24 = ("activation_checkpointing", "activation_checkpointing_kwargs")
+
 # REFUSED: a value other than the default raises one ConfigError naming the field and why.
 _NO_DATALOADER = "rows come from the pipeline's sampler (hf_asyncpp/data), not a DataLoader"
 _NO_DDP = "there is no DDP: the pipeline's own process groups and FSDP2 over dp"
@@ -271,7 +275,7 @@ class AsyncPPTrainingArguments(TrainingArguments):
             "max_steps": max_steps or (self.max_steps if self.max_steps > 0 else 1),
             "report_to": [], "save_final": False, "push_to_hub": False,  # the Trainer's callbacks and methods do these
         }
-        if self.activation_checkpointing or self.gradient_checkpointing:  # HF's switch (and its old name)
+        if getattr(self, "activation_checkpointing", False) or self.gradient_checkpointing:  # HF's switch, its old name
             values["activation_checkpointing"] = "full"  # every decoder layer; "selective" via pipeline_config
         if self.torch_compile:  # compiled per decoder layer (models/compile.py), not as a whole model
             values["compile_layers"] = True

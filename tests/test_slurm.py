@@ -52,8 +52,18 @@ tr ',' '\\n' <<< "$3"
 
 FAKE_SRUN = """#!/bin/bash
 # srun for a job of one task per node: the command once per node, as that node's task; the tasks'
-# process ids go to $FAKE_SRUN_TASKS (where SLURM's step signals reach them)
-while [[ $1 == -* ]]; do shift; done
+# process ids go to $FAKE_SRUN_TASKS (where SLURM's step signals reach them). As srun since Slurm 22.05,
+# a task gets the CPUs of srun's own --cpus-per-task (or SRUN_CPUS_PER_TASK), not the allocation's:
+# one CPU by default; FAKE_TASK_CPUS tells the task how many it was given.
+cpus=${SRUN_CPUS_PER_TASK:-1}
+while [[ $1 == -* ]]; do
+  case $1 in
+    --cpus-per-task=*) cpus=${1#*=} ;;
+    -c|--cpus-per-task) cpus=$2; shift ;;
+  esac
+  shift
+done
+export FAKE_TASK_CPUS=$cpus
 pids=()
 nodeid=0
 for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
@@ -116,6 +126,7 @@ class _Job:
         env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID=JOB_ID,
                    SLURM_JOB_NAME=_directives(script)["--job-name"], SLURM_JOB_NODELIST=",".join(nodes),
                    SLURM_NNODES=str(len(nodes)), SLURMD_NODENAME=nodes[0], SLURM_SUBMIT_DIR=str(self.submit_dir),
+                   SLURM_CPUS_PER_TASK=_directives(script)["--cpus-per-task"],
                    FAKE_SRUN_TASKS=str(self.tasks_file), **variables)
         with open(self.log, "w") as log:
             self.shell = subprocess.Popen(["bash", str(script)], cwd=self.submit_dir, env=env, stdout=log,
@@ -216,6 +227,16 @@ def test_each_node_chooses_gloo_s_interface_and_the_head_node_s_loopback_reaches
         assert arguments[:2] == ["-m", "torch.distributed.run"]
         assert " ".join(arguments).count("--nnodes 2 --nproc_per_node 8 --rdzv_backend c10d "
                                          "--rdzv_endpoint node-a:29555 --rdzv_id 4242") == 1
+
+
+def test_every_node_s_task_gets_the_job_s_cpus_and_the_gpu_environment(tmp_path):
+    """srun is given the allocation's CPUs per task (since Slurm 22.05 it does not inherit them); the
+    ranks start with expandable segments and eager CUDA module loading."""
+    launches = _launches(tmp_path)
+    for node, (_, environment) in launches.items():
+        assert environment["FAKE_TASK_CPUS"] == _directives(SCRIPT)["--cpus-per-task"] == "96", node
+        assert environment["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        assert environment["CUDA_MODULE_LOADING"] == "EAGER"
 
 
 def test_a_gloo_interface_set_by_the_user_is_kept_on_every_node(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from transformers import TrainingArguments
 
 from hf_asyncpp import ConfigError
-from hf_asyncpp.trainer_args import HONOURED, REFUSED
+from hf_asyncpp.trainer_args import HONOURED, REFUSED, SINCE_TRANSFORMERS_5_24
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainingArguments)}
 
@@ -32,7 +32,8 @@ def _args(tmp_path, **overrides):
 def test_every_training_argument_is_honoured_or_refused_and_nothing_else_is_listed():
     assert not set(HONOURED) & set(REFUSED)
     assert sorted(set(FIELDS) - set(HONOURED) - set(REFUSED)) == []  # a new field: place it in one list
-    assert sorted((set(HONOURED) | set(REFUSED)) - set(FIELDS)) == []  # a field transformers dropped
+    newer = () if "activation_checkpointing" in FIELDS else SINCE_TRANSFORMERS_5_24  # transformers 5.17–5.23
+    assert sorted((set(HONOURED) | set(REFUSED)) - set(FIELDS)) == sorted(newer)  # a field transformers dropped
 
 
 def _non_default(name: str):
@@ -49,6 +50,9 @@ def _non_default(name: str):
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_a_refused_argument_set_is_one_error_naming_it_before_any_device_or_process_group(name, tmp_path, monkeypatch):
     import torch.distributed as dist
+
+    if name not in FIELDS:
+        pytest.skip(f"this transformers has no {name} (added in 5.24)")
 
     def no_devices(self):
         raise AssertionError("TrainingArguments set up devices before the refusal")

@@ -5,7 +5,7 @@ serves all of a stage's layers and compilation time does not grow with the stage
 pipeline's own machinery (stage boundaries, P2P, weight versions) stays eager. A layer's `forward`
 is replaced by its compiled version in place, so parameter names and checkpoints are unchanged.
 Forward hooks with side effects (router statistics, routing loads) run eagerly
-(`torch._dynamo.disable`): a Python list growing layer by layer would make every layer recompile.
+(`torch.compiler.disable`): a Python list growing layer by layer would make every layer recompile.
 
 Weight stashing calls the stage through `torch.func.functional_call` with one weight version's tensors
 (schedules/weight_versions.py). The compiled layer reads its weights as graph inputs, not constants,

@@ -27,7 +27,7 @@ import json
 import os
 
 import torch
-from ..torch_internals import unset_fake_temporarily
+from ..torch_internals import own_slots, unset_fake_temporarily
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -69,12 +69,13 @@ def _drawn_on_cpu(module: nn.Module, always: bool = False):
     originals afterwards: CUDA's generator draws other numbers than the CPU's for the same seed.
     `always` copies CPU tensors too (how a CPU-only test takes the path a GPU's tensors take)."""
     placed = []  # (the module's slots, a key, the original tensor)
-    for slots in (module._parameters, module._buffers):
+    parameters, buffers = own_slots(module)
+    for slots in (parameters, buffers):
         for key, tensor in slots.items():
             if tensor is not None and (always or tensor.device.type != "cpu"):
                 placed.append((slots, key, tensor))
                 copy = tensor.detach().to("cpu", copy=True)
-                slots[key] = nn.Parameter(copy, tensor.requires_grad) if slots is module._parameters else copy
+                slots[key] = nn.Parameter(copy, tensor.requires_grad) if slots is parameters else copy
     try:
         yield
     finally:

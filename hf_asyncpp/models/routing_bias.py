@@ -63,7 +63,7 @@ class RoutingLoadCounter:
         for router in self.routers:
             router.register_forward_hook(self._record)
 
-    @torch._dynamo.disable  # eager under compile_layers (models/compile.py): counting is a side effect
+    @torch.compiler.disable  # eager under compile_layers (models/compile.py): counting is a side effect
     def _record(self, router, args, output):
         if (self._only_microbatches and not self._in_microbatch) or is_recomputing():
             return

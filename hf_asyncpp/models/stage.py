@@ -34,9 +34,15 @@ _MASK_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_causal_mas
 
 
 def router_class_of(causal_lm: nn.Module) -> type | None:
-    """The router module class whose output[0] HF records as `router_logits`, if any."""
-    recorder = getattr(type(causal_lm), "_can_record_outputs", {}).get("router_logits")
-    return getattr(recorder, "target_class", None)
+    """The router module class whose output[0] HF records as `router_logits`, if any; where the model
+    class does not declare one (DeepSeek-V3 before transformers 5.24), the class of the routers that
+    hold a routing bias (`e_score_correction_bias`), whose outputs are the same."""
+    recorder = (getattr(type(causal_lm), "_can_record_outputs", None) or {}).get("router_logits")
+    declared = getattr(recorder, "target_class", None)
+    if declared is not None:
+        return declared
+    return next((type(m) for m in causal_lm.modules() if isinstance(getattr(m, "e_score_correction_bias", None),
+                                                                     torch.Tensor)), None)
 
 
 class PipelineStageModule(nn.Module):
@@ -83,7 +89,7 @@ class PipelineStageModule(nn.Module):
             else None
         )
 
-    @torch._dynamo.disable  # eager under compile_layers: a list growing layer by layer would recompile each layer
+    @torch.compiler.disable  # eager under compile_layers: a list growing layer by layer would recompile each layer
     def _record_router_logits(self, module, args, output):
         if not is_recomputing():  # an activation-checkpointing recomputation is no second forward
             self._router_logits.append(output[0])

@@ -18,7 +18,18 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["LaunchError", "LaunchInfo", "read_launch"]
+__all__ = ["GPU_ENVIRONMENT", "LaunchError", "LaunchInfo", "read_launch"]
+
+# What a process runs with on GPUs unless its environment says otherwise, set by read_launch, which every
+# front end calls before its first CUDA call (the launch files export the same: docs/scale.md, "Launch
+# environment"):
+#   - expandable segments: the caching allocator grows segments instead of carving new ones, which
+#     cuts the fragmentation MoE routing's varying shapes leave (plan with >= 10% of the card free);
+#   - eager module loading: with CUDA's default lazy loading, a kernel's first use (the first
+#     checkpoint's or evaluation's kernels, many steps in) loads its module, a device-wide
+#     synchronization; while PipeDream-2BW's sends wait across a step boundary for receives the peer
+#     has not posted yet, that synchronization can deadlock. Eager loading does it all at start-up.
+GPU_ENVIRONMENT = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_MODULE_LOADING": "EAGER"}
 
 
 class LaunchError(RuntimeError):
@@ -99,6 +110,8 @@ def _check_local_gpus(local_processes: int) -> None:
 
 def read_launch() -> LaunchInfo:
     env = os.environ
+    for name, value in GPU_ENVIRONMENT.items():
+        env.setdefault(name, value)
     mixed_precision = _accelerate_settings(env)
     if "WORLD_SIZE" in env and "RANK" in env:
         local_rank = int(env.get("LOCAL_RANK", 0))

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..torch_internals import TorchDispatchMode, tree_flatten
+from ..torch_internals import TorchDispatchMode, local_shard, tree_flatten
 
 __all__ = ["MemoryTracker"]
 
@@ -42,7 +42,7 @@ class MemoryTracker(TorchDispatchMode):
     # --- following storages -----------------------------------------------------------------------
 
     def _storage_id(self, t: torch.Tensor) -> int | None:
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor holds its shard
+        local = local_shard(t)
         if local.device.type == "meta" or getattr(local, "fake_mode", None) is not self.fake_mode:
             return None
         storage = local.untyped_storage()

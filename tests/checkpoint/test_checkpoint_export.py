@@ -109,7 +109,12 @@ def test_a_bf16_export_is_the_fp32_export_as_transformers_loads_it_in_bf16(deeps
     reference = AutoModelForCausalLM.from_pretrained(deepseek_run / "final", dtype=torch.bfloat16).state_dict()
     assert ours.keys() == reference.keys()
     assert all(ours[k].dtype == reference[k].dtype and torch.equal(ours[k], reference[k]) for k in reference)
-    assert {k for k, v in ours.items() if v.dtype == torch.float32} >= {"model.layers.1.mlp.gate.weight"}
+    # What the model class keeps in fp32 stays fp32: the router's correction bias in every supported
+    # transformers, its gate weight too from 5.24 on.
+    kept = {k for k, v in ours.items() if v.dtype == torch.float32}
+    strict = type(AutoModelForCausalLM.from_pretrained(exported))._keep_in_fp32_modules_strict
+    assert kept >= {"model.layers.1.mlp.gate.e_score_correction_bias"}
+    assert ("model.layers.1.mlp.gate.weight" in kept) == ("gate.weight" in strict)
     assert torch.equal(_logits(exported), _logits(deepseek_run / "final", dtype=torch.bfloat16))
     fp32 = export_checkpoint(deepseek_run / f"checkpoint-{STEPS}", tmp_path / "fp32")  # the run's export_dtype
     assert torch.equal(_logits(fp32), _logits(deepseek_run / "final"))

@@ -48,6 +48,18 @@ def test_a_launcher_setting_the_run_cannot_honour_is_one_error_before_any_proces
     assert not dist.is_initialized() and not out.exists()
 
 
+def test_the_gpu_environment_is_set_before_cuda_starts_unless_the_user_set_it(monkeypatch):
+    """Expandable segments and eager module loading by default (parallel/launch.GPU_ENVIRONMENT); a
+    value the user exported is kept."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    read_launch()
+    import os
+
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"
+
+
 def test_the_launch_is_read_from_the_environment(monkeypatch):
     for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "ACCELERATE_MIXED_PRECISION": "BF16"}.items():
         monkeypatch.setenv(name, value)

@@ -407,17 +407,20 @@ def test_process_group_abort_and_timeout_used_by_the_mesh():
     assert list(inspect.signature(distributed_c10d._set_pg_timeout).parameters)[:2] == ["timeout", "group"]
 
 
-def test_dynamo_disable_module_internals_and_the_grouped_mm_op():
-    """torch._dynamo.disable keeps per-layer compilation off the stage wrapper and routing hooks; models/
-    construct.py fills a module's own `_parameters` / `_buffers`; fake_kernels.py registers a fake kernel
-    for `aten._grouped_mm`."""
-    import torch._dynamo
+def test_module_slots_fake_tensors_and_the_grouped_mm_op():
+    """models/construct.py fills a module's own `_parameters` / `_buffers` (own_slots); fake_kernels.py
+    registers a fake kernel for `aten._grouped_mm`; the memory tracker reads a DTensor's shard."""
+    from torch.distributed.tensor import DTensor
 
-    assert callable(torch._dynamo.disable)
+    from hf_asyncpp.torch_internals import FakeTensor, FakeTensorMode, local_shard, own_slots
+
     module = torch.nn.Linear(2, 2)
-    assert set(module._parameters) == {"weight", "bias"} and isinstance(module._buffers, dict)
+    parameters, buffers = own_slots(module)
+    assert set(parameters) == {"weight", "bias"} and isinstance(buffers, dict)
+    assert parameters is module._parameters
     assert hasattr(torch.ops.aten, "_grouped_mm")
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
+    assert "_local_tensor" in DTensor.__slots__
+    plain = torch.ones(1)
+    assert local_shard(plain) is plain
     with FakeTensorMode():
         assert isinstance(torch.empty(2), FakeTensor)
