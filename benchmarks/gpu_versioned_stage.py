@@ -53,6 +53,7 @@ import json
 import statistics
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -269,7 +270,7 @@ def predict(args) -> dict:
         played = _play(args, config, model_config, plan, torch.device("cpu"), _Clock("fake"), tracker)
     parts = tracker.peak_parts()
     m = setup["microbatches"]
-    sites = dict(reads.take())
+    sites = dict(Counter(r.site for r in reads.take()))
     return dict(setup=setup, predicted_peak_bytes=tracker.peak_bytes,
                 predicted_peak_gib=tracker.peak_bytes / GiB,
                 predicted_parts_gib={k: parts.get(k, 0) / GiB for k in KINDS if parts.get(k)},

@@ -61,8 +61,10 @@ class PipelineEngine:
         into the next minibatch: pass its rows as `next_rows` (None on the last step, which drains)."""
         start = time.perf_counter()
         lr = self.executor.learning_rate
-        rows = rows.to(self.layout.device, non_blocking=True)  # pinned rows (data/prefetch.py) overlap compute
-        next_rows = None if next_rows is None else next_rows.to(self.layout.device)
+        # Pinned rows (data/prefetch.py) are copied while the device computes; a blocking copy from
+        # pageable memory would wait for the device (a sync on a GPU).
+        rows = rows.to(self.layout.device, non_blocking=True)
+        next_rows = None if next_rows is None else next_rows.to(self.layout.device, non_blocking=True)
         unread = self._awaiting_review[-1][1] if self._awaiting_review else None  # read along with the step's read
         outcome = self.executor.train_step(rows, next_rows, unread, drains=self.step_count + 1 == self.last_step)
         self.step_count += 1

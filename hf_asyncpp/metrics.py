@@ -23,21 +23,26 @@ class ComputeTimer:
     communication that is not overlapped, and the step's tail (gradient sync, optimizer step).
     On CPU a compute call's wall time is its work. On a GPU the call only launches kernels, so its time
     is taken between CUDA events recorded around it on the compute stream (a receive's wait is queued
-    before the start event) and read at `take`, after the step's end has waited for the stream.
+    before the start event) and read at `take` without waiting for them (a host wait on an event is a
+    sync): the calls the device has finished count there, those still running at a later take. A step's
+    host read (its gradient norm) has waited for the stream, so what ran before it has finished.
     """
 
     def __init__(self, stages, device=None):
         """Times every compute call of `stages` (schedules/stage_hooks.py: its "compute_time" hook)."""
         self.busy_s = 0.0
         self._on_gpu = device is not None and device.type == "cuda"
-        self._events: list = []  # (start, end) per compute call since the last take, on a GPU
+        self._events: list = []  # (start, end) per compute call not yet counted, on a GPU
+        self._paused = False
         for stage in stages:
             stage.subscribe("compute_time", lambda call: self.measuring())
 
     @contextlib.contextmanager
     def measuring(self):
         """Adds the time of what runs inside to busy time."""
-        if self._on_gpu:
+        if self._paused:
+            yield
+        elif self._on_gpu:
             import torch
 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,11 +67,24 @@ class ComputeTimer:
 
         return timed_call
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Compute inside is not busy time of a training step (an evaluation through the same stages)."""
+        on, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = on
+
     def take(self) -> float:
-        if self._events:
-            self._events[-1][1].synchronize()  # one stream: every earlier event has completed too
-            self.busy_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
-            self._events = []
+        """The busy time measured since the last take (on a GPU: of the calls finished by now)."""
+        finished = 0
+        for _, end in self._events:  # one stream: the first unfinished call's successors are not finished
+            if not end.query():
+                break
+            finished += 1
+        self.busy_s += sum(start.elapsed_time(end) for start, end in self._events[:finished]) / 1000.0
+        del self._events[:finished]
         busy, self.busy_s = self.busy_s, 0.0
         return busy
 
@@ -121,9 +139,10 @@ class ReducedStepStats:
     `value()` waits for the reduction, which by then has usually long finished; nothing else does, so
     no rank waits for another between steps.
 
-    Nothing is read on the host to build it: what the host knows (counts, ages, idle time) is copied
-    to the device once, and the losses and norms, device tensors, are written into that vector there.
-    Its values are read once, by `value()` or along with another value (`read_with`).
+    Nothing is read on the host to build it, nor copied from host memory (on a GPU a blocking upload is a
+    sync too): what the host knows (counts, ages, idle time) is written into the device vector as
+    constants (a fill per value that is not 0), and the losses and norms, device tensors, are written
+    there too. Its values are read once, by `value()` or along with another value (`read_with`).
     """
 
     _HEAD = 6
@@ -139,7 +158,7 @@ class ReducedStepStats:
 
         world_size = layout.world_size
         self._world_size, self._n_stages = world_size, n_stages
-        # What the host knows, one copy to the device.
+        # What the host knows, written on the device.
         v = [0.0] * (self._HEAD + world_size + 4 * n_stages)
         v[2] = float(len(loss_records))
         v[5] = float(termination_requested)
@@ -154,7 +173,10 @@ class ReducedStepStats:
             v[per_stage + 2 * n_stages + stage] = count
         for stage, count in (skipped_earlier_by_stage or {}).items():
             v[per_stage + 3 * n_stages + stage] = count
-        vector = torch.tensor(v, dtype=torch.float64, device=layout.device)
+        vector = torch.zeros(len(v), dtype=torch.float64, device=layout.device)
+        for index, value in enumerate(v):
+            if value:
+                vector[index:index + 1].fill_(value)
         # What the device holds, written there.
         if loss_records:
             lm = torch.stack([pair[0] for pair in loss_records]).to(vector.device, torch.float64)

@@ -53,15 +53,21 @@ class PeerLostError(RunFailure):
 
 def first_nonfinite(named_tensors) -> str | None:
     """The name of the first floating-point tensor holding a NaN or an infinity (a DTensor: in this
-    rank's shard), or None. Checked before anything is written: nothing non-finite reaches a disk."""
+    rank's shard), or None. Checked before anything is written: nothing non-finite reaches a disk.
+    One host read per device holding such tensors, whatever their number (each read is a sync)."""
     import torch
     from torch.distributed.tensor import DTensor
 
+    checked: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}  # device → (position, all finite)
+    names = []
     for name, tensor in named_tensors:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            return name
-    return None
+        if isinstance(local, torch.Tensor) and local.is_floating_point():
+            checked.setdefault(local.device, []).append((len(names), torch.isfinite(local).all()))
+            names.append(name)
+    bad = [position for flags in checked.values()
+           for (position, _), finite in zip(flags, torch.stack([f for _, f in flags]).tolist()) if not finite]
+    return names[min(bad)] if bad else None
 
 
 def _is_communication_error(err: BaseException) -> bool:

@@ -31,6 +31,8 @@ them (`torch.where`) and an LR schedule on the device. The emulator reads each u
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -41,7 +43,16 @@ from .optim.error_feedback import ErrorFeedback
 from .optim.param_groups import decay_parameter_names
 from .torch_internals import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["Updater", "Updates"]
+__all__ = ["GradNorm", "Updater", "Updates"]
+
+
+class GradNorm(NamedTuple):
+    """An update's gradient norm as the host read it (`value`: whether to skip the update) and where it
+    was computed (`on_device`, a float64 scalar): clipping scales by the coefficient computed there, so
+    the value read is never copied back (on a GPU a blocking upload is a sync)."""
+
+    value: float
+    on_device: torch.Tensor
 
 
 class Updater:
@@ -158,17 +169,23 @@ class Updates:
         if self.layout.pp_size > 1:
             squared = squared.to(self.layout.device, copy=True)  # the recorded value stays this rank's
             dist.all_reduce(squared, group=self.layout.pp_group)
-        norm = squared.sqrt()
-        return self.step(updater, read_along.read_with(norm)[0] if read_along is not None else norm.item())
+        return self.step(updater, self._read_norm(squared, read_along))
 
     def apply_together(self, updaters: list[Updater], steppers: list) -> list[bool]:
         """Stages emulated in one process, each through its own stepper: clipped by the norm of all of
         them (or each by its own); returns which were applied."""
-        squared = torch.stack([self._prepare(updater) for updater in updaters]).tolist()
-        norms = [math.sqrt(sum(squared))] * len(updaters) if self.global_norm else [math.sqrt(s) for s in squared]
-        return [self.step(u, norm, stepper) for u, norm, stepper in zip(updaters, norms, steppers)]
+        squared = [self._prepare(updater) for updater in updaters]
+        if self.global_norm:  # added in order, as a sum of the values on the host adds them
+            total = squared[0]
+            for s in squared[1:]:
+                total = total + s
+            squared = [total] * len(updaters)
+        norms = torch.stack([s.sqrt() for s in squared])
+        values = norms.tolist()
+        return [self.step(u, GradNorm(value, norm), stepper)
+                for u, value, norm, stepper in zip(updaters, values, norms, steppers)]
 
-    def post(self, index: int, unit: int, updater: Updater, carry=None) -> float | None:
+    def post(self, index: int, unit: int, updater: Updater, carry=None) -> GradNorm | None:
         """A stage of an asynchronous pipeline has the gradient of `unit`: its own norm, to apply the update
         with now; or, clipping globally, None: the pipeline's norm is on its way, and `complete` returns it.
         `carry`: statistics the norm's host read also reads (`read_with`)."""
@@ -186,7 +203,7 @@ class Updates:
         self._held[index] = _Held(unit, total, work, updater.stages, self._steps)
         return None
 
-    def complete(self, index: int, through_unit: int | None = None, carry=None) -> float | None:
+    def complete(self, index: int, through_unit: int | None = None, carry=None) -> GradNorm | None:
         """The norm of local module `index`'s held update (if it is of a unit <= `through_unit`), waited
         for: its update is to be applied with it now (None: no such update held)."""
         held = self._held.get(index)
@@ -195,7 +212,7 @@ class Updates:
         del self._held[index]
         held.work.wait()
         norm = self._read_norm(held.squared, carry)
-        if held.step <= self._reported_steps and not math.isfinite(norm):  # its step has reported
+        if held.step <= self._reported_steps and not math.isfinite(norm.value):  # its step has reported
             for stage in held.stages:
                 self._skipped_earlier[stage] = self._skipped_earlier.get(stage, 0) + 1
         return norm
@@ -206,11 +223,11 @@ class Updates:
         return sorted(self._held)
 
     @staticmethod
-    def _read_norm(squared: torch.Tensor, carry=None) -> float:
+    def _read_norm(squared: torch.Tensor, carry=None) -> GradNorm:
         """The host read of an update's norm (from its squared norm, a float64 device scalar), with the
         statistics `carry` (a step's ReducedStepStats) in the same transfer, if given."""
-        norm = squared.sqrt()
-        return carry.read_with(norm)[0] if carry is not None else norm.item()
+        norm = squared.sqrt().reshape(())
+        return GradNorm(carry.read_with(norm)[0] if carry is not None else norm.item(), norm)
 
     # --- the update --------------------------------------------------------------------------------
 
@@ -240,14 +257,14 @@ class Updates:
         self._sq_norms.setdefault(updater.stage, []).append(squared)
         return squared
 
-    def step(self, updater: Updater, norm: float, stepper=None) -> bool:
+    def step(self, updater: Updater, norm: GradNorm, stepper=None) -> bool:
         """Clip to max_grad_norm by `norm` and step the optimizer (through `stepper`: the emulator's,
         when emulating) and the LR schedule; a non-finite `norm` skips the update (the pipeline still
         publishes its unchanged master as the next version, and the emulator counts one); the run's last
         update leaves Error Feedback's extrapolation out under ef_last_update plain (the decision:
         Updater.extrapolates_next_update). Returns whether the update was applied."""
         stepper = stepper or updater.stepper
-        if not math.isfinite(norm):
+        if not math.isfinite(norm.value):
             for param in updater.params:
                 param.grad = None
             if hasattr(stepper, "skip"):
@@ -257,8 +274,8 @@ class Updates:
                 self.skipped[stage] = self.skipped.get(stage, 0) + 1
             return False
         if self.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(updater.params, self.max_norm,
-                                                 torch.tensor(norm, dtype=torch.float32), foreach=True)
+            # The coefficient max_norm / (norm + 1e-6), clamped to 1, in float32, computed where the norm is.
+            torch.nn.utils.clip_grads_with_norm_(updater.params, self.max_norm, norm.on_device.float(), foreach=True)
         if updater.extrapolates_next_update:
             stepper.step()
         else:  # only Error Feedback (through the emulator, when emulating) has an extrapolation to leave out

@@ -1,6 +1,7 @@
 """`ComputeTimer` (hf_asyncpp/metrics.py): busy time is what runs inside the stages' "compute_time"
-hook (schedules/stage_hooks.py) and inside the loss it wraps. On a GPU each call is timed by CUDA
-events recorded around it and read once, at `take`: no host wait per microbatch."""
+hook (schedules/stage_hooks.py) and inside the loss it wraps, not what runs while it is paused (an
+evaluation). On a GPU each call is timed by CUDA events recorded around it and read at `take`, without
+any host wait on an event: calls the device has not finished count at a later take."""
 
 from __future__ import annotations
 
@@ -34,8 +35,16 @@ def test_busy_time_is_the_time_inside_the_hook_and_the_wrapped_loss():
     assert timer.take() == 0.0  # taken: the next step starts from nothing
 
 
-def test_on_a_gpu_events_are_recorded_around_each_call_and_waited_for_once_at_take(monkeypatch):
-    log = []
+def test_an_evaluation_while_paused_is_not_busy_time():
+    stage = _Stage()
+    timer = ComputeTimer([stage], torch.device("cpu"))
+    with timer.paused(), stage.hooks["compute_time"](None):
+        time.sleep(0.05)
+    assert timer.take() == 0.0
+
+
+def test_on_a_gpu_events_are_recorded_around_each_call_and_read_without_waiting(monkeypatch):
+    log, finished = [], [0]  # finished[0]: how many log positions the device has reached
 
     class Event:  # a CUDA event whose clock is the position in the log, one second a step
         def __init__(self, enable_timing=False):
@@ -46,10 +55,14 @@ def test_on_a_gpu_events_are_recorded_around_each_call_and_waited_for_once_at_ta
             self.at = len(log)
             log.append("record")
 
-        def synchronize(self):
-            log.append("synchronize")
+        def query(self):  # non-blocking: whether the device has passed the event
+            return self.at < finished[0]
 
-        def elapsed_time(self, end):  # milliseconds
+        def synchronize(self):
+            raise AssertionError("a host wait on an event is a sync")
+
+        def elapsed_time(self, end):  # milliseconds; CUDA refuses events not yet reached
+            assert self.query() and end.query()
             return 1000.0 * (end.at - self.at)
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -59,5 +72,8 @@ def test_on_a_gpu_events_are_recorded_around_each_call_and_waited_for_once_at_ta
         with stage.hooks["compute_time"](None):
             log.append("compute")
     assert log == ["record", "compute", "record"] * 3  # nothing waits for the device per call
-    assert timer.take() == 3 * 2.0
-    assert log[-1] == "synchronize" and log.count("synchronize") == 1
+    finished[0] = 6  # the device is in the third call
+    assert timer.take() == 2 * 2.0
+    finished[0] = len(log)
+    assert timer.take() == 2.0  # the third, once finished
+    assert timer.take() == 0.0

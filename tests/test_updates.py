@@ -105,7 +105,7 @@ def test_the_last_update_is_counted_with_the_skipped_ones():
     plain, though the LR schedule has counted two applied updates before it. Reference: SGD with momentum on
     the applied gradients (its updates u do not depend on the weights), and EF's formula by hand."""
     from hf_asyncpp.config import TrainConfig
-    from hf_asyncpp.updates import Updater, Updates
+    from hf_asyncpp.updates import GradNorm, Updater, Updates
 
     grads = [torch.tensor([[0.5, -1.0, 2.0]]), None, torch.tensor([[-0.2, 0.8, 0.1]]), torch.tensor([[0.9, -0.4, 1.1]])]
     sgd = dict(lr=0.1, momentum=0.9)
@@ -119,7 +119,8 @@ def test_the_last_update_is_counted_with_the_skipped_ones():
                       gradients_averaged=True)
     for grad in grads:
         module.weight.grad = torch.zeros(1, 3) if grad is None else grad.clone()
-        updates.step(updater, float("inf") if grad is None else 1.0)
+        value = float("inf") if grad is None else 1.0
+        updates.step(updater, GradNorm(value, torch.tensor(value, dtype=torch.float64)))
 
     plain_sgd = torch.nn.Parameter(start.clone())
     optimizer = torch.optim.SGD([plain_sgd], **sgd)

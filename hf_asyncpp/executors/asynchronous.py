@@ -64,7 +64,6 @@ class AsynchronousPipeline(PipelineExecutor):
         shard_parameters(module, dp_mesh)  # one gathered copy per version: not fully_shard (module docstring)
 
     def train_step(self, rows, next_rows, previous, drains) -> StepOutcome:
-        self.timer.take()  # drop compute time of anything run since the last step (an evaluation)
         self.updates.start_step()  # a versioned stage frees its gradient as it updates: no zero_grad here
         self.schedule.run_step(rows, next_rows, carry=previous)
         busy = self.timer.take()

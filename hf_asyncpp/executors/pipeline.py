@@ -35,7 +35,9 @@ class PipelineExecutor(Executor):
             module.eval()
         try:
             args = (rows,) if self.holds_first_stage else ()
-            output = schedule.eval(*args, target=rows if self.holds_last_stage else None, return_outputs=return_logits)
+            with self.timer.paused():  # not a training step's compute
+                output = schedule.eval(*args, target=rows if self.holds_last_stage else None,
+                                       return_outputs=return_logits)
         finally:
             for module in self.modules:
                 module.train()

@@ -17,6 +17,11 @@ An update's outcome (applied or skipped) is recorded by Updates with the step of
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..updates import GradNorm
+
 __all__ = ["StageUpdate"]
 
 
@@ -52,7 +57,7 @@ class StageUpdate:
             self._apply(norm)
         return norm is not None
 
-    def _apply(self, norm: float) -> None:
+    def _apply(self, norm: GradNorm) -> None:
         """Step clipped by `norm` into the buffer of the next version (written there, weight_versions.py),
         with the minibatch's routing-bias update; the gradient is freed."""
         next_buffer = self.buffer(self.versioned.master_version + 1)

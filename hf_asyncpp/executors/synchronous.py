@@ -40,7 +40,6 @@ class SynchronousPipeline(PipelineExecutor):
         fully_shard_stage(unshard_parameters(module), dp_mesh, self.dtype, self._reduce_dtype)
 
     def train_step(self, rows, next_rows, previous, drains) -> StepOutcome:
-        self.timer.take()  # drop compute time of anything run since the last step (an evaluation)
         self.updates.start_step()
         updater = self.updaters[0]
         updater.optimizer.zero_grad(set_to_none=True)
@@ -48,9 +47,9 @@ class SynchronousPipeline(PipelineExecutor):
             counter.reset()
         args = (rows,) if self.holds_first_stage else ()
         self.schedule.step(*args, target=rows if self.holds_last_stage else None, return_outputs=False)
-        busy = self.timer.take()
         # The step's one host read: its norm, with the previous step's statistics.
         self.updates.apply_synchronous(updater, read_along=previous)
+        busy = self.timer.take()  # after the read: on a GPU the step's compute has finished
         self.updates.ages = dict.fromkeys(self.stage_ids, 0)
         for stage, counter in self._routing_loads:
             if stage not in self.updates.skipped:  # a skipped minibatch leaves the routing biases too

@@ -1,15 +1,21 @@
-"""Reads of tensor values by the host, recorded where they happen.
+"""Host syncs, recorded where they happen: reads of tensor values by the host, and uploads.
 
 On a GPU a host read of a device value (`item`, `tolist`, `numpy`, `cpu`, `.to("cpu")`, `bool`, `float`,
 `int`, an index, `nonzero`, `unique`, `masked_select`) waits for every kernel queued before it: the host
-stops queueing ahead. `HostReads` records each with its call site, at the Python level, where the rule
-can be checked on any device. Moves to the engine's device (`.to(layout.device)`) are uploads on a GPU
-and are not reads; a host copy is written `.cpu()` or `.to("cpu")`.
+stops queueing ahead. So does a blocking copy from pageable host memory to the device: a tensor made
+from host values (`torch.tensor`, `torch.as_tensor`), and a host tensor moved to the device without
+`non_blocking=True` (a pinned one with it is copied while the device computes). `HostReads` records each
+with its call site, at the Python level, where the rule can be checked on any device. The convention
+that makes this possible on a CPU: the engine's device is a `torch.device` (`.to(layout.device)`); the
+host is named by the string "cpu" (`.cpu()`, `.to("cpu")`, `torch.tensor(..., device="cpu")`: host
+values meant to stay there are no upload).
 
 Over fake tensors, which hold no values, it also answers the reads of values, with zeros: a plan
 (plan.py) then takes the path of a run where nothing is wrong (finite norms, no termination asked for)
-and counts what that path reads. Real tensors are read as usual, and recorded with `all_tensors=True`
-(the multi-rank tests on CPU, where every tensor stands for a device one).
+and counts what that path reads; there a real tensor is host memory (the data loader's rows), and
+moving one into the fake device world without `non_blocking` is an upload. Real tensors are read as
+usual, and recorded with `all_tensors=True` (the multi-rank tests on CPU, where every tensor stands for
+a device one: only tensors made from host values count as uploads there).
 """
 
 from __future__ import annotations
@@ -21,13 +27,21 @@ from dataclasses import dataclass, field
 import torch
 from ..torch_internals import FakeTensor, unset_fake_temporarily
 
-__all__ = ["READS", "HostRead", "HostReads"]
+__all__ = ["READS", "UPLOADS", "HostRead", "HostReads", "in_microbatch"]
 
 # Tensor methods that read values; the last three are also torch.<name>(tensor).
 READS = ("item", "tolist", "cpu", "__float__", "__bool__", "numpy", "__int__", "__index__", "nonzero", "unique",
          "masked_select")
 _VALUES = {"item", "tolist", "numpy", "__float__", "__bool__", "__int__", "__index__"}  # answered for fake tensors
 _FUNCTIONS = ("nonzero", "unique", "masked_select")
+# Functions making a tensor from host values: an upload unless the host is named as its device.
+UPLOADS = ("tensor", "as_tensor")
+# The frames a microbatch's compute runs in: a sync under one of them happens m times a step. Except
+# under the wait for an update, which a forward's "weight_version" hook (schedules/stage_hooks.py) makes
+# before the forward's compute, once per update: what it syncs is counted per update.
+MICROBATCH_FRAMES = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "PipelineLoss.__call__",
+                     "PipelineStageModule.forward")
+UPDATE_AWAITED = "AsyncPipelineSchedule._await_for"
 
 
 @dataclass
@@ -35,6 +49,13 @@ class HostRead:
     kind: str  # the method, e.g. "item", or "to('cpu')"
     site: str  # file:line of the caller, from the package's or the library's root
     stack: tuple[str, ...] = field(default=(), repr=False)  # the callers' functions, innermost first
+
+
+def in_microbatch(stack: tuple[str, ...], step_frame: str = "PipelineEngine.train_step") -> bool:
+    """Whether a sync's callers, up to `step_frame` or an awaited update, include a microbatch's compute."""
+    inside = stack[:stack.index(step_frame)] if step_frame in stack else stack
+    inside = inside[:inside.index(UPDATE_AWAITED)] if UPDATE_AWAITED in inside else inside
+    return any(frame.endswith(MICROBATCH_FRAMES) for frame in inside)
 
 
 def _site(frame) -> str:
@@ -58,6 +79,11 @@ def _caller(depth: int) -> tuple[str, tuple[str, ...]]:
 def _to_host(args, kwargs) -> bool:
     target = kwargs.get("device", args[0] if args else None)
     return isinstance(target, str) and target.split(":")[0] == "cpu"
+
+
+def _to_device(args, kwargs) -> bool:
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, torch.device) or (isinstance(target, str) and not _to_host(args, kwargs))
 
 
 def _read_zeros(tensor: torch.Tensor, read, *args, **kwargs):
@@ -106,12 +132,31 @@ class HostReads:
         to_host = self._recording("to('cpu')", originals["to"], depth=3)
 
         def to(tensor, *args, **kwargs):
-            return (to_host if _to_host(args, kwargs) else originals["to"])(tensor, *args, **kwargs)
+            if _to_host(args, kwargs):
+                return to_host(tensor, *args, **kwargs)
+            # Over fake tensors a real one is host memory: moved to the device, waiting for the copy.
+            if (not self._inside and not self.all_tensors and not isinstance(tensor, FakeTensor)
+                    and _to_device(args, kwargs) and not kwargs.get("non_blocking", False)):
+                self.records.append(HostRead("upload: to(device)", *_caller(2)))
+            return originals["to"](tensor, *args, **kwargs)
 
         self._patch(torch.Tensor, "to", to)
         for name in _FUNCTIONS:
             self._patch(torch, name, self._recording(name, getattr(torch, name)))
+        for name in UPLOADS:
+            self._patch(torch, name, self._uploading(name, getattr(torch, name)))
         return self
+
+    def _uploading(self, name: str, original):
+        """`torch.<name>`, recording an upload when it makes a device tensor from host values."""
+        def make(data, *args, **kwargs):
+            made = original(data, *args, **kwargs)
+            host = isinstance(kwargs.get("device"), str) and _to_host((), kwargs)
+            if (not self._inside and not host and not isinstance(data, torch.Tensor)
+                    and (self.all_tensors or isinstance(made, FakeTensor))):
+                self.records.append(HostRead(f"upload: torch.{name}", *_caller(2)))
+            return made
+        return make
 
     def __exit__(self, *exc) -> None:
         for (owner, name), original in reversed(list(self._saved.items())):
@@ -124,7 +169,7 @@ class HostReads:
     def total(self) -> int:
         return len(self.records)
 
-    def take(self) -> Counter[str]:
-        """The reads recorded since the last take, counted by call site."""
+    def take(self) -> list[HostRead]:
+        """The syncs recorded since the last take."""
         new, self._taken = self.records[self._taken:], len(self.records)
-        return Counter(r.site for r in new)
+        return new

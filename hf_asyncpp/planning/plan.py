@@ -7,8 +7,9 @@ compute policy, FSDP2 over dp, weight versions, optimizer, Error Feedback, activ
 through start-up, three training steps of its schedule (the first one warms up: optimizer state
 and receive buffers appear; the next two are steady) and an evaluation (where the order allows one
 between steps). `MemoryTracker` follows every tensor it creates
-and reports the peak of live bytes and what was live then; `HostReads` counts reads of tensor values
-by the host through the steady steps. dp replicas of a stage hold the same amounts: one is played.
+and reports the peak of live bytes and what was live then; `HostReads` counts the host syncs (reads of
+tensor values by the host, and blocking uploads) through the steady steps, and those made inside a
+microbatch's compute. dp replicas of a stage hold the same amounts: one is played.
 
 Bytes do not depend on the device, so fake CPU tensors stand for GPU ones. What only a GPU shows —
 the CUDA context, NCCL's buffers, the caching allocator's fragmentation, kernels' workspaces — is
@@ -22,7 +23,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .host_reads import HostReads
+from collections import Counter
+
+from .host_reads import HostReads, in_microbatch
 from .memory_tracker import MemoryTracker
 
 __all__ = ["ALLOWANCE_GIB", "KINDS", "label_state", "overshoot", "plan_layout", "plan_rank", "planned_config", "table"]
@@ -62,7 +65,7 @@ def _hooks(tracker: MemoryTracker, engine) -> list:
 
 def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
     """Play `rank` of a `world_size` layout of `config` on fake tensors: its peak and host reads."""
-    from ..torch_internals import FakeTensorMode, fake_store
+    from ..torch_internals import FakeTensorMode, fake_store, unset_fake_temporarily
 
     from ..engine import PipelineEngine
     from ..models.fake_kernels import register_fake_kernels
@@ -79,7 +82,8 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
         with fake_mode, tracker, reads:
             engine = PipelineEngine(config, model_config, layout)
             handles = _hooks(tracker, engine)
-            tokens = torch.zeros(rows, config.seq_len, dtype=torch.long)
+            with unset_fake_temporarily():  # the loader's rows: host memory, moved to the device by the engine
+                tokens = torch.zeros(rows, config.seq_len, dtype=torch.long)
             per_step = []
             for step in range(STEPS):
                 reads.take()
@@ -94,15 +98,17 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
                 handle.remove()
         steady = per_step[1:]
         parts = tracker.peak_parts()
-        sites = sorted({site for s in steady for site in s})
+        sites = sorted({r.site for s in steady for r in s})
         return {
             "rank": rank, "pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "stages": engine.executor.stage_ids,
             "peak_bytes": tracker.peak_bytes,
             **{f"{kind}_bytes": parts.get(kind, 0) for kind in KINDS},
-            "host_reads_per_step": max(sum(s.values()) for s in steady),
-            "host_reads_per_microbatch": max(sum(s.values()) for s in steady) / m,
-            "host_read_sites": {site: max(s[site] for s in steady) for site in sites},
-            "host_reads_per_evaluation": None if eval_reads is None else sum(eval_reads.values()),
+            "syncs_per_step": max(len(s) for s in steady),
+            # inside a microbatch's forward, backward or loss (m of them a step)
+            "syncs_per_microbatch": max(sum(in_microbatch(r.stack) for r in s) for s in steady) / m,
+            "uploads_per_step": max(sum(r.kind.startswith("upload") for r in s) for s in steady),
+            "sync_sites": {site: max(Counter(r.site for r in s)[site] for s in steady) for site in sites},
+            "syncs_per_evaluation": None if eval_reads is None else len(eval_reads),
         }
     finally:
         shutdown_parallel(peers_alive=False)  # no peers to wait for: destroys the fake groups
@@ -149,10 +155,12 @@ def overshoot(ranks: list[dict], gpu_memory_gib: float, allowance_gib: float = A
 def table(ranks: list[dict]) -> str:
     """Markdown: one row per pipeline rank (its dp replicas hold the same), GiB."""
     shown = [r for r in ranks if r["dp_rank"] == 0]
-    head = ["pp rank", "stages", "peak GiB", *(k.replace("_", " ") for k in KINDS), "host reads / step"]
+    head = ["pp rank", "stages", "peak GiB", *(k.replace("_", " ") for k in KINDS), "syncs / step",
+            "syncs / microbatch"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in shown:
         cells = [str(r["pp_rank"]), ",".join(map(str, r["stages"])), f"{r['peak_bytes'] / GiB:.2f}",
-                 *(f"{r[f'{k}_bytes'] / GiB:.2f}" for k in KINDS), str(r["host_reads_per_step"])]
+                 *(f"{r[f'{k}_bytes'] / GiB:.2f}" for k in KINDS), str(r["syncs_per_step"]),
+                 f"{r['syncs_per_microbatch']:g}"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
