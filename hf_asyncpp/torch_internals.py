@@ -19,7 +19,7 @@ each name's behaviour on the installed release, and CI runs it at both ends of t
 | `testing._internal.distributed.fake_pg.FakeStore` | one process playing any rank (`hf-asyncpp plan`) | 2.11–2.15 (2.15: a C++ class, same import) |
 | `distributed_c10d._abort_process_group`, `_set_pg_timeout` | a lost peer's group aborted; group timeouts | 2.11–2.15 |
 | `optim._muon` constants and `_adjust_lr` | Muon on whole (gathered) matrices | 2.11–2.15 |
-| `_foreach_sub(_)`, `_utils._(un)flatten_dense_tensors` | Error Feedback's step; one all-reduce for a stage's gradients | 2.11–2.15 |
+| `_foreach_sub_`, `_foreach_add_`, `_utils._(un)flatten_dense_tensors` | Error Feedback's step; one all-reduce for a stage's gradients | 2.11–2.15 |
 | `utils._python_dispatch.TorchDispatchMode`, `utils._pytree.tree_flatten`, DTensor `_local_tensor` (`local_shard`) | the memory tracker | 2.11–2.15 |
 | `nn.Module._parameters` / `_buffers` (`own_slots`) | initial values drawn on the CPU for any device | 2.11–2.15 |
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import _foreach_sub, _foreach_sub_
+from torch import _foreach_add_, _foreach_sub_
 from torch._subclasses import fake_impls
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
@@ -60,7 +60,7 @@ __all__ = [
     "BACKWARD_INPUT", "BACKWARD_WEIGHT", "DEFAULT_A", "DEFAULT_B", "DEFAULT_C", "EPS", "FORWARD", "FULL_BACKWARD",
     "RECV_B", "RECV_F", "REDUCE_GRAD", "RESHARD", "RELEASE", "SEND_B", "SEND_F", "STAGE_METADATA", "SUPPORTED",
     "UNSHARD", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "_Action", "_ComputationType", "_abort_process_group",
-    "_flatten_dense_tensors", "_foreach_sub", "_foreach_sub_", "_unflatten_dense_tensors", "_add_unshard_reshard", "_adjust_lr", "_format_pipeline_order", "_set_pg_timeout",
+    "_flatten_dense_tensors", "_foreach_add_", "_foreach_sub_", "_unflatten_dense_tensors", "_add_unshard_reshard", "_adjust_lr", "_format_pipeline_order", "_set_pg_timeout",
     "_validate_schedule", "fake_impls", "fake_store", "forget_forward", "local_shard", "own_slots", "prepare_stages", "receive_buffers",
     "release_of", "tree_flatten", "unset_fake_temporarily",
 ]

@@ -10,14 +10,15 @@ of the un-delayed trajectory, x_{t+1} = x_t − 2u_{t−1} + u_{t−2} (docs/ARC
 `step(extrapolate=False)` moves them by u_t alone (a run's last update, under `ef_last_update: plain`,
 so that the final weights lie on the trajectory instead of one extrapolated step past it).
 One extra update-sized buffer per parameter, made from the parameter (a clone, or `zeros_like`
-at first), so under FSDP2 it is a DTensor sharded exactly like it; it is part of `state_dict()`.
+at first), so under FSDP2 it is a DTensor sharded exactly like it; it is part of `state_dict()`. While
+it steps, a second one holds the pre-step weights, from which this step's update is taken.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..torch_internals import _foreach_sub, _foreach_sub_
+from ..torch_internals import _foreach_add_, _foreach_sub_
 
 __all__ = ["ErrorFeedback"]
 
@@ -54,8 +55,11 @@ class ErrorFeedback:
             if previous[i] is None:
                 previous[i] = self.previous_update[p] = torch.zeros_like(p)
         if extrapolate:
-            change = _foreach_sub(updates, previous)
-            _foreach_sub_(params, change, alpha=self.ef_lambda)
+            # x −= λ (u_t − u_{t−1}), written x += λ (u_{t−1} − u_t) with the difference made in place of
+            # u_{t−1}, which is not needed after: two update-sized buffers at the peak (the stored
+            # previous updates and this step's), not three. Bitwise the same: negating is exact.
+            _foreach_sub_(previous, updates)
+            _foreach_add_(params, previous, alpha=self.ef_lambda)
         self.previous_update.update(zip(params, updates))
 
     def state_dict(self) -> dict:
