@@ -130,3 +130,24 @@ def test_the_stored_prediction_is_of_the_stage_a_gpu_run_measures():
         microbatches=None, steps=2))
     assert {k: stored["setup"][k] for k in bench.SETUP_KEYS} == {k: setup[k] for k in bench.SETUP_KEYS}
     assert setup["layers"] == [0, 2] and setup["micro_batch_size"] * setup["seq_len"] == 4 * 2048
+
+
+def test_the_stage_benchmark_runs_the_fastest_paths_first_and_skips_what_cannot_fit():
+    """benchmarks/gpu_stage.py within a short budget: the compiled grouped GEMM first, the eager loop over
+    experts (a host read per expert) last; batched_mm at moe_2b's 8 × 2048 tokens would gather 192 GiB."""
+    import torch
+    from transformers import AutoConfig
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_stage
+        from moe_2b_stage import MOE_2B
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    arms = gpu_stage._arms(["eager", "batched_mm", "grouped_mm"])
+    assert arms[:2] == [("grouped_mm", "none", True), ("grouped_mm", "full", True)]
+    assert [e for e, _, _ in arms[2:]] == ["grouped_mm"] * 2 + ["batched_mm"] * 2 + ["eager"] * 2
+    shapes, cpu = AutoConfig.from_pretrained(MOE_2B), torch.device("cpu")
+    assert "at least 192 GiB" in gpu_stage._cannot_fit("batched_mm", shapes, 8 * 2048, cpu)
+    assert gpu_stage._cannot_fit("batched_mm", shapes, 32, cpu) is None
+    assert gpu_stage._cannot_fit("grouped_mm", shapes, 8 * 2048, cpu) is None
