@@ -157,6 +157,10 @@ class RunConfig:
     logging_steps: int = _key(1, "log every N steps (and the last)")
     report_to: list[str] = _key(["tensorboard"], "trackers that also get the logged records: tensorboard, wandb, "
                                 "trackio, or none")
+    peak_tflops: float = _key(0.0, "a device's peak TFLOP/s for the logged MFU (0: a known GPU's bf16 dense peak; "
+                              "none on a CPU)")
+    profile_steps: list[int] = _key([], "steps whose torch.profiler trace every rank writes to "
+                                    "<output_dir>/profile/ (Chrome trace format)")
 
 
 @dataclass

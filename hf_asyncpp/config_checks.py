@@ -173,6 +173,9 @@ def _check_optimizer(config: OptimizerConfig) -> None:
 
 def _check_run(config: RunConfig) -> None:
     _at_least_one(config, "logging_steps")
+    _require(config.peak_tflops >= 0, f"peak_tflops must be >= 0, got {config.peak_tflops}")
+    bad = [s for s in config.profile_steps if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+    _require(not bad, f"profile_steps are step numbers from 1: {bad} is not")
     try:
         from .reporting import check_report_to
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from .config import TrainConfig
 from .executors import build_full_model, executor_class
 from .memory import state_bytes
-from .metrics import ReducedStepStats, StepResult, idle_fraction
+from .metrics import ReducedStepStats, StepResult, idle_fraction, memory_peaks
 from .parallel.mesh import ParallelLayout
 from .resilience import NonFiniteGuard, TerminationRequest
 from .schedules import get_schedule_spec
@@ -75,6 +75,7 @@ class PipelineEngine:
             idle_fraction=idle_fraction(busy, step_time), version_age_by_stage=outcome.ages,
             nonfinite_grad_stages=outcome.nonfinite_stages, skipped_by_stage=outcome.skipped,
             termination_requested=self.termination.requested, skipped_earlier_by_stage=outcome.skipped_earlier,
+            memory=memory_peaks(self.layout.device),
         )
         self._unfinished = [r for r in self._unfinished if not r.done()] + [reduced]
         # The previous steps' reductions have finished on every rank by now: decide on what they report.

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .log import get_logger
+from .profiling import profiled_step
 from .run_summary import IdleTally, idle_summary
+from .utilization import Utilization
 
 __all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "load_main_process_first", "step_record"]
 
@@ -90,10 +92,12 @@ class LoopHooks:
         pass
 
 
-def step_record(result, tokens_seen: int, epoch: float, tokens_per_second: float, schedule: str) -> dict:
+def step_record(result, tokens_seen: int, epoch: float, tokens_per_second: float, schedule: str,
+                utilization=None) -> dict:
     """The logged record of one step (metrics.jsonl, trackers, the Trainer's log_history), under the
     names transformers' Trainer logs where it has one: `learning_rate`, `epoch`, `num_input_tokens_seen`
-    (all dp ranks), `train_tokens_per_second` (this session's tokens over its wall time so far)."""
+    (all dp ranks), `train_tokens_per_second` (this session's tokens over its wall time so far); with
+    `utilization` (utilization.Utilization), achieved TFLOP/s per device, MFU and memory per rank."""
     return {
         "step": result.step,
         "epoch": epoch,
@@ -108,7 +112,20 @@ def step_record(result, tokens_seen: int, epoch: float, tokens_per_second: float
         "weight_version_age_per_stage": result.weight_version_age_per_stage,
         "skipped_updates_per_stage": result.skipped_updates_per_stage,
         "schedule": schedule,
+        **(utilization.fields(result, tokens_per_second) if utilization is not None else {}),
     }
+
+
+def _console(record: dict) -> dict[str, str]:
+    """The progress bar's figures of a logged record."""
+    shown = {"loss": f"{record['loss']:.3f}", "tok_s": f"{record['train_tokens_per_second']:.0f}"}
+    if record.get("mfu") is not None:
+        shown["mfu"] = f"{record['mfu']:.3f}"
+    elif "train_tflops_per_device" in record:
+        shown["tflops"] = f"{record['train_tflops_per_device']:.3g}"
+    if "max_memory_gib" in record:
+        shown["mem_gib"] = f"{record['max_memory_gib']:.2f}"
+    return shown
 
 
 def load_main_process_first(layout, load):
@@ -167,6 +184,8 @@ class TrainingLoop:
         self.started_from: str | None = None  # where a front end's model was loaded from, for the card
         self.writer = self.reporters = None  # opened at the first record (main process)
         self.idle = IdleTally()  # this launch's steps, for the closing lines
+        self.utilization = Utilization(model_config, config.seq_len, layout.world_size, layout.device,
+                                       config.peak_tflops)
 
     def resume(self, resume_from: str) -> None:
         """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it.
@@ -252,7 +271,11 @@ class TrainingLoop:
         while step < self.end_step:
             self.hooks.on_step_begin(step)
             next_rows = self._rows(step + 1) if engine.forwards_ahead and step + 1 < self.end_step else None
-            result = engine.train_step(self._rows(step), next_rows)
+            with profiled_step(step + 1, self.config.profile_steps, self.config.output_dir, self.layout.rank,
+                               self.layout.device.type == "cuda") as trace:
+                result = engine.train_step(self._rows(step), next_rows)
+            if trace is not None and self.layout.is_main:
+                logger.info(f"step {step + 1} profiled: {trace.parent}/step{step + 1}_rank*.json (Chrome trace)")
             step = result.step
             self.tokens_seen += result.tokens
             self.idle.add(result)
@@ -261,9 +284,9 @@ class TrainingLoop:
             if decision.log:  # every rank: the values come from one all-reduce
                 tokens_per_second = (self.tokens_seen - session_tokens) / (time.perf_counter() - session_start)
                 self.last_record = step_record(result, self.tokens_seen, self.data.epoch(step), tokens_per_second,
-                                               engine.spec.name)
+                                               engine.spec.name, self.utilization)
                 if self.layout.is_main:
-                    progress.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_second:.0f}")
+                    progress.set_postfix(_console(self.last_record))
                     self._publish(self.last_record)
                 self.hooks.on_log(self.last_record)
             if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from numbers import Number
 from pathlib import Path
 
-__all__ = ["ComputeTimer", "MetricsWriter", "ReducedStepStats", "StepResult", "idle_fraction", "numeric_scalars",
-           "theoretical_bubble"]
+__all__ = ["ComputeTimer", "MetricsWriter", "ReducedStepStats", "StepResult", "idle_fraction", "memory_peaks",
+           "numeric_scalars", "theoretical_bubble"]
 
 
 class ComputeTimer:
@@ -89,6 +89,19 @@ class ComputeTimer:
         return busy
 
 
+def memory_peaks(device) -> tuple[float, float]:
+    """(peak bytes, peak reserved bytes) of this process so far, read from the host's own bookkeeping (no
+    sync): on a GPU the caching allocator's `max_memory_allocated` / `max_memory_reserved`, on a CPU the
+    peak resident set size and 0."""
+    if device.type == "cuda":
+        import torch
+
+        return float(torch.cuda.max_memory_allocated(device)), float(torch.cuda.max_memory_reserved(device))
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, 0.0  # KiB on Linux
+
+
 def idle_fraction(busy_s: float, step_time_s: float) -> float:
     """The share of a step spent outside stage compute."""
     return max(0.0, 1.0 - busy_s / step_time_s) if step_time_s > 0 else 0.0
@@ -132,10 +145,12 @@ class ReducedStepStats:
     """One step's statistics summed over all ranks by a single asynchronous all-reduce.
 
     Layout: [LM-loss sum, aux-loss sum, microbatch count, squared gradient norm, microbatches with a
-    non-finite loss, termination requests, idle_0 … idle_{W−1}, then per stage: weight-version age,
-    non-finite gradient (0/1), skipped updates, of them those of an earlier step's gradient]. The last-stage ranks contribute losses, the dp-rank-0
+    non-finite loss, termination requests, idle_0 … idle_{W−1}, peak memory_0 … _{W−1}, reserved memory_0
+    … _{W−1} (bytes), then per stage: weight-version age, non-finite gradient (0/1), skipped updates, of
+    them those of an earlier step's gradient]. The last-stage ranks contribute losses, the dp-rank-0
     replica of every stage its squared norm and its stages' ages and gradient findings (replicas hold
-    the same averaged gradient), every rank its idle fraction and whether it was asked to terminate.
+    the same averaged gradient), every rank its idle fraction, its memory peaks (`memory_peaks`) and
+    whether it was asked to terminate.
     `value()` waits for the reduction, which by then has usually long finished; nothing else does, so
     no rank waits for another between steps.
 
@@ -150,7 +165,8 @@ class ReducedStepStats:
     def __init__(self, loss_records, layout, n_stages: int, grad_sq_norm=None,
                  idle_fraction: float = 0.0, version_age_by_stage: dict[int, int] | None = None,
                  nonfinite_grad_stages=(), skipped_by_stage: dict[int, int] | None = None,
-                 termination_requested: bool = False, skipped_earlier_by_stage: dict[int, int] | None = None):
+                 termination_requested: bool = False, skipped_earlier_by_stage: dict[int, int] | None = None,
+                 memory: tuple[float, float] = (0.0, 0.0)):
         """`grad_sq_norm`: a float64 device scalar (or None); `nonfinite_grad_stages`: stage → a 0/1
         float64 device scalar, or the stages that were non-finite."""
         import torch
@@ -159,11 +175,12 @@ class ReducedStepStats:
         world_size = layout.world_size
         self._world_size, self._n_stages = world_size, n_stages
         # What the host knows, written on the device.
-        v = [0.0] * (self._HEAD + world_size + 4 * n_stages)
+        v = [0.0] * (self._HEAD + 3 * world_size + 4 * n_stages)
         v[2] = float(len(loss_records))
         v[5] = float(termination_requested)
         v[self._HEAD + layout.rank] = idle_fraction
-        per_stage = self._HEAD + world_size
+        v[self._HEAD + world_size + layout.rank], v[self._HEAD + 2 * world_size + layout.rank] = memory
+        per_stage = self._HEAD + 3 * world_size
         for stage, age in (version_age_by_stage or {}).items():
             v[per_stage + stage] = age
         if not isinstance(nonfinite_grad_stages, dict):
@@ -219,7 +236,8 @@ class ReducedStepStats:
 
     def _unpack(self, v: list[float]) -> None:
         count = max(v[2], 1.0)
-        stages = self._HEAD + self._world_size
+        w = self._world_size
+        stages = self._HEAD + 3 * w
         s = self._n_stages
         self._values = {
             "loss": v[0] / count,
@@ -227,7 +245,9 @@ class ReducedStepStats:
             "grad_norm": v[3] ** 0.5,
             "nonfinite_loss_microbatches": int(v[4]),
             "termination_requested": v[5] > 0,
-            "idle_fraction_per_rank": [round(x, 4) for x in v[self._HEAD:stages]],
+            "idle_fraction_per_rank": [round(x, 4) for x in v[self._HEAD:self._HEAD + w]],
+            "peak_memory_gib_per_rank": [round(x / 2**30, 3) for x in v[self._HEAD + w:self._HEAD + 2 * w]],
+            "reserved_memory_gib_per_rank": [round(x / 2**30, 3) for x in v[self._HEAD + 2 * w:stages]],
             "weight_version_age_per_stage": [int(x) for x in v[stages:stages + s]],
             "nonfinite_grad_stages": [i for i, x in enumerate(v[stages + s:stages + 2 * s]) if x > 0],
             "skipped_updates_per_stage": [int(x) for x in v[stages + 2 * s:stages + 3 * s]],
@@ -273,6 +293,16 @@ class StepResult:
     @property
     def idle_fraction_per_rank(self) -> list[float]:
         return self.reduced.value("idle_fraction_per_rank")
+
+    @property
+    def peak_memory_gib_per_rank(self) -> list[float]:
+        """Per rank, its peak so far (memory_peaks): device memory allocated on a GPU, resident memory on a CPU."""
+        return self.reduced.value("peak_memory_gib_per_rank")
+
+    @property
+    def reserved_memory_gib_per_rank(self) -> list[float]:
+        """Per rank, the most device memory its caching allocator has reserved so far (0 on a CPU)."""
+        return self.reduced.value("reserved_memory_gib_per_rank")
 
     @property
     def weight_version_age_per_stage(self) -> list[int]:
