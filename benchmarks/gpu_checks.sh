@@ -4,7 +4,7 @@
 #   1. the machine and the versions it runs, and any requirement of the installed wheels the machine's
 #      packages miss                                                            -> versions.txt
 #   2. FIRST, what a first GPU run needs: one versioned PipeDream-2BW stage at moe_10b's stage-0 shapes in
-#      bf16 (embeddings + layers 0-2, 4 × 2048 tokens, m 64, Muon + Error Feedback): ms per microbatch,
+#      bf16 (embeddings + layers 0-1 of its 0-2, 4 × 2048 tokens, m 64, Muon + Error Feedback): ms per microbatch,
 #      MFU, peak memory beside the plan's prediction for the same loop, host syncs per microbatch
 #      (gpu_versioned_stage.py)                                                -> gpu_versioned_stage.json
 #   3. a model initialized on the GPU equals one initialized on the CPU, bit for bit (log.txt), and fp32
@@ -88,6 +88,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
 # the benchmark scripts too, which do not read a launch.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
+export NCCL_RUNTIME_CONNECT=${NCCL_RUNTIME_CONNECT:-0}
 budget=${BUDGET_S:-450}
 [ "$study" = 1 ] && budget=${BUDGET_S:-600}  # the study's own limit is 520 s
 deadline=$((SECONDS + budget))

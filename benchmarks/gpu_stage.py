@@ -8,8 +8,8 @@ implementations (`config._experts_implementation`: eager and the ones its Expert
 activation checkpointing (none / full) × torch.compile of each decoder layer (off / on, with
 grouped_mm only, to stay in time). Each arm: `--warmup` untimed steps, then the median of `--steps`
 forward + backward steps timed with CUDA events. Model FLOPs per token: 6 × the parameters a token
-touches (attention, router, top-k of the experts, norms) + 12 × layers × hidden × seq_len (attention
-scores and values, PaLM's count); MFU = achieved / `--peak_tflops` (989: H100 / H200 SXM bf16 dense).
+touches (attention, router, top-k of the experts, norms) + 12 × layers × attention width × seq_len
+(attention scores and values, PaLM's count: hf_asyncpp/utilization.py); MFU = achieved / `--peak_tflops` (989: H100 / H200 SXM bf16 dense).
 The arms run fastest path first, so a short budget measures what matters: grouped_mm compiled, then
 grouped_mm, batched_mm, and the eager loop over experts last (it reads the host once per expert). An arm
 whose path cannot fit is skipped with a line saying why: batched_mm gathers each token's experts'
@@ -67,21 +67,13 @@ def _cannot_fit(experts: str, config, tokens: int, device) -> str | None:
             f"{memory / 2**30:.0f} GiB of the {device.type} device")
 
 
-def _flops_per_token(stage, config, seq_len: int) -> float:
-    """6 × parameters a token touches + 12 × layers × hidden × seq_len."""
-    touched = 0.0
-    share = config.num_experts_per_tok / config.num_experts
-    for name, param in stage.named_parameters():
-        touched += param.numel() * (share if ".experts." in name else 1.0)
-    return 6 * touched + 12 * len(stage.model.layers) * config.hidden_size * seq_len
-
-
 def _run_arm(args, experts: str, checkpointing: str, compiled: bool) -> dict:
     import torch
     from moe_2b_stage import middle_stage
 
     from hf_asyncpp.models.compile import compile_layers
     from hf_asyncpp.models.recompute import apply_activation_checkpointing
+    from hf_asyncpp.utilization import active_parameters, attention_flops_per_token
 
     device = torch.device(args.device)
     config, stage = middle_stage(args.layers, device, experts)
@@ -113,7 +105,8 @@ def _run_arm(args, experts: str, checkpointing: str, compiled: bool) -> dict:
             times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
     tokens = args.micro_batch_size * args.seq_len
-    achieved = _flops_per_token(stage, config, args.seq_len) * tokens / seconds
+    achieved = (6 * active_parameters(stage.named_parameters(), config)
+                + attention_flops_per_token(config, len(stage.model.layers), args.seq_len)) * tokens / seconds
     peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return dict(step_s=seconds, tokens_per_s=tokens / seconds, tflops=achieved / 1e12,
                 mfu=achieved / (args.peak_tflops * 1e12), peak_memory_gib=peak_memory and peak_memory / 2**30)

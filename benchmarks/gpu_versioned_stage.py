@@ -61,9 +61,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "training_scripts/configs/moe_10b.yaml"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_versioned_stage.json"
 DEFAULT_PLAN = ROOT / "benchmarks" / "results" / "gpu_versioned_stage_plan.json"
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # bf16 dense, SXM
 GiB = 2**30
 # What the prediction must share with a measurement to stand beside it.
+# moe_10b's stage 0 holds the embeddings and layers 0-2; with its first two layers the loop plans 48.4 GiB
+# (benchmarks/results/gpu_versioned_stage_plan.json), with all three 69.3: more than an 80 GiB card's 90%
+# less the CUDA context and workspaces (0.9 × 79.6 − 1.5 = 70.1 GiB on an H100), too close to fit for sure.
+DEFAULT_LAYERS = 2
 SETUP_KEYS = ("config", "model_config", "stage", "layers", "seq_len", "micro_batch_size", "microbatches",
               "pp_size", "steps", "schedule", "optimizer", "ef", "compute_dtype")
 
@@ -74,15 +77,11 @@ def _path(name: str) -> str:
 
 
 def flops_per_token(stage, config, seq_len: int) -> float:
-    """6 × parameters a token touches + 12 × layers × attention width × seq_len."""
-    share = config.num_experts_per_tok / config.num_experts if getattr(config, "num_experts", None) else 1.0
-    touched = 0.0
-    for name, param in stage.named_parameters():
-        if name.startswith("model.embed_tokens."):
-            continue  # a lookup, no multiply
-        touched += param.numel() * (share if ".experts." in name else 1.0)
-    width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-    return 6 * touched + 12 * len(stage.model.layers) * width * seq_len
+    """Model FLOPs per token of the stage (hf_asyncpp/utilization.py's count)."""
+    from hf_asyncpp.utilization import active_parameters, attention_flops_per_token
+
+    return 6 * active_parameters(stage.named_parameters(), config) + attention_flops_per_token(
+        config, len(stage.model.layers), seq_len)
 
 
 def _setup(args) -> tuple:
@@ -296,9 +295,11 @@ def measure(args) -> dict:
     n_forward, n_backward = len(timed["forward"]), len(timed["backward"])
     ms_per_microbatch = (forward + backward) / max(steps_timed * m, 1)
     tokens = setup["micro_batch_size"] * setup["seq_len"]
+    from hf_asyncpp import utilization
+
     per_token = flops_per_token(played["module"], model_config, setup["seq_len"])
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak_tflops = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+    peak_tflops = utilization.peak_tflops(device, args.peak_tflops)
     achieved = per_token * tokens / (ms_per_microbatch / 1000) if ms_per_microbatch else None
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     result = dict(
@@ -374,7 +375,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model-config", "--model_config", dest="model_config",
                         help="another model (a preset or config.json) than the config's")
     parser.add_argument("--stage", type=int, default=0)
-    parser.add_argument("--layers", type=int, help="the stage's first N decoder layers only")
+    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                        help=f"the stage's first N decoder layers only (default {DEFAULT_LAYERS}; 0: all of them)")
     parser.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, help="default: the config's")
     parser.add_argument("--micro-batch-size", "--micro_batch_size", dest="micro_batch_size", type=int)
     parser.add_argument("--microbatches", type=int, help="per step (default: the config's n_microbatches)")

@@ -177,15 +177,15 @@ def _plan(argv: list[str]) -> int:
     import json
 
     from .config import ConfigError, load_config
-    from .planning.plan import ALLOWANCE_GIB, overshoot, plan_layout, table
+    from .planning.plan import overshoot, plan_layout, table
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp plan", description="each rank's peak device memory, "
                                      "played on fake tensors at the config's real size")
     parser.add_argument("config")
     parser.add_argument("--world-size", type=int, help="ranks in all (pp_size × dp); default pp_size")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    parser.add_argument("--allowance-gib", type=float, default=ALLOWANCE_GIB,
-                        help="kept free for the CUDA context, NCCL and fragmentation")
+    parser.add_argument("--allowance-gib", type=float, help="kept free on every rank for what the plan cannot see "
+                        "(default: each rank's own: CUDA context, workspaces, NCCL per communicator, fragmentation)")
     parser.add_argument("--json", dest="json_path", help="write every rank's plan here")
     args, overrides = parser.parse_known_args(argv)
     try:
@@ -209,7 +209,7 @@ def _plan(argv: list[str]) -> int:
     if over:
         print(over, file=sys.stderr)
         return 1
-    print(f"every rank fits a {args.gpu_memory_gib:g} GiB GPU with {args.allowance_gib:g} GiB to spare")
+    print(f"every rank fits a {args.gpu_memory_gib:g} GiB GPU with its allowance to spare")
     return 0
 
 

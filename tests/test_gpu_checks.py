@@ -126,10 +126,13 @@ def test_the_stored_prediction_is_of_the_stage_a_gpu_run_measures():
         sys.path.remove(str(REPO / "benchmarks"))
     stored = json.loads(bench.DEFAULT_PLAN.read_text())
     *_, setup = bench._setup(bench.argparse.Namespace(
-        config=bench.DEFAULT_CONFIG, model_config=None, stage=0, layers=None, seq_len=None, micro_batch_size=None,
-        microbatches=None, steps=2))
+        config=bench.DEFAULT_CONFIG, model_config=None, stage=0, layers=bench.DEFAULT_LAYERS, seq_len=None,
+        micro_batch_size=None, microbatches=None, steps=2))
     assert {k: stored["setup"][k] for k in bench.SETUP_KEYS} == {k: setup[k] for k in bench.SETUP_KEYS}
-    assert setup["layers"] == [0, 2] and setup["micro_batch_size"] * setup["seq_len"] == 4 * 2048
+    # Layers 0-1 of the stage's 0-2, at the run's 4 × 2048 tokens a microbatch: planned to leave >= 10% of
+    # an 80 GiB card free after the CUDA context and workspaces (the module's DEFAULT_LAYERS).
+    assert setup["layers"] == [0, 1] and setup["micro_batch_size"] * setup["seq_len"] == 4 * 2048
+    assert stored["predicted_peak_gib"] <= 0.9 * 79.6 - 1.5
 
 
 def test_the_stage_benchmark_runs_the_fastest_paths_first_and_skips_what_cannot_fit():

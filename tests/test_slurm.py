@@ -236,7 +236,7 @@ def test_every_node_s_task_gets_the_job_s_cpus_and_the_gpu_environment(tmp_path)
     for node, (_, environment) in launches.items():
         assert environment["FAKE_TASK_CPUS"] == _directives(SCRIPT)["--cpus-per-task"] == "96", node
         assert environment["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-        assert environment["CUDA_MODULE_LOADING"] == "EAGER"
+        assert environment["CUDA_MODULE_LOADING"] == "EAGER" and environment["NCCL_RUNTIME_CONNECT"] == "0"
 
 
 def test_a_gloo_interface_set_by_the_user_is_kept_on_every_node(tmp_path):

@@ -28,8 +28,12 @@ __all__ = ["GPU_ENVIRONMENT", "LaunchError", "LaunchInfo", "read_launch"]
 #   - eager module loading: with CUDA's default lazy loading, a kernel's first use (the first
 #     checkpoint's or evaluation's kernels, many steps in) loads its module, a device-wide
 #     synchronization; while PipeDream-2BW's sends wait across a step boundary for receives the peer
-#     has not posted yet, that synchronization can deadlock. Eager loading does it all at start-up.
-GPU_ENVIRONMENT = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_MODULE_LOADING": "EAGER"}
+#     has not posted yet, that synchronization can deadlock. Eager loading does it all at start-up;
+#   - NCCL's channels connected when a communicator is made (NCCL 2.22 on connects them at first use):
+#     their buffers are allocated at start-up (mesh.start_communicators uses every communicator once),
+#     before the first step, instead of by a large collective mid-run, when memory is tightest.
+GPU_ENVIRONMENT = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_MODULE_LOADING": "EAGER",
+                   "NCCL_RUNTIME_CONNECT": "0"}
 
 
 class LaunchError(RuntimeError):

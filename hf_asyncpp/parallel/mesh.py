@@ -25,7 +25,8 @@ from ..torch_internals import _abort_process_group, _set_pg_timeout  # behaviour
 
 from .launch import LaunchInfo
 
-__all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "free_port", "init_parallel", "link_groups",
+__all__ = ["IO_TIMEOUT", "ParallelLayout", "broadcast_from_first_replica", "device_communicators", "free_port",
+           "init_parallel", "link_groups",
            "link_timeout", "mesh_coordinates", "shutdown_parallel", "start_communicators"]
 
 IO_TIMEOUT = timedelta(hours=2)  # tokenizing a large corpus on rank 0, hashing a large checkpoint
@@ -189,6 +190,15 @@ def link_groups(layout: ParallelLayout, rank_pairs: list[tuple[int, int]],
                 links[ranks[1] if ranks[0] == layout.rank else ranks[0]] = group
                 _pair_groups.append(group)
     return links
+
+
+def device_communicators(layout: ParallelLayout) -> int:
+    """How many communicators of two or more ranks this rank holds on its device (on GPUs: NCCL
+    communicators, each with its buffers): the default group, the pipeline's, dp's, the evaluation's
+    and the norms' groups, and the pair groups made here."""
+    groups = [dist.group.WORLD, layout.pp_group, layout.dp_group, layout.eval_pp_group, layout.norm_pp_group,
+              *_pair_groups]
+    return sum(1 for g in groups if g is not None and dist.get_world_size(g) > 1)
 
 
 def start_communicators(layout: ParallelLayout, rank_pairs: list[tuple[int, int]],

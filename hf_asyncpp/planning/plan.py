@@ -11,9 +11,11 @@ and reports the peak of live bytes and what was live then; `HostReads` counts th
 tensor values by the host, and blocking uploads) through the steady steps, and those made inside a
 microbatch's compute. dp replicas of a stage hold the same amounts: one is played.
 
-Bytes do not depend on the device, so fake CPU tensors stand for GPU ones. What only a GPU shows —
-the CUDA context, NCCL's buffers, the caching allocator's fragmentation, kernels' workspaces — is
-outside the measurement: `ALLOWANCE_GIB` is kept free for it when judging whether a rank fits.
+Bytes do not depend on the device, so fake CPU tensors stand for GPU ones. What only a GPU shows is
+outside the measurement and is kept free, item by item, when judging whether a rank fits (`ALLOWANCE`,
+`allowance`): the CUDA context, kernels' workspaces, each NCCL communicator's buffers (the rank's own
+count of them, played here too), and the caching allocator's fragmentation. Each item is an estimate
+from published reports until a GPU run measures it (docs/scale.md, "The allowance").
 """
 
 from __future__ import annotations
@@ -28,9 +30,16 @@ from collections import Counter
 from .host_reads import HostReads, in_microbatch
 from .memory_tracker import MemoryTracker
 
-__all__ = ["ALLOWANCE_GIB", "KINDS", "label_state", "overshoot", "plan_layout", "plan_rank", "planned_config", "table"]
+__all__ = ["ALLOWANCE", "KINDS", "allowance", "label_state", "overshoot", "plan_layout", "plan_rank", "planned_config",
+           "table"]
 
-ALLOWANCE_GIB = 6.0  # CUDA context (~0.5-1 GiB), NCCL communicators and buffers, allocator fragmentation
+# What a GPU rank holds beyond its tensors (GiB, or a share of the rank's peak). The CUDA context with
+# every module of torch's kernels loaded at start-up (CUDA_MODULE_LOADING=EAGER: parallel/launch.py):
+# reported 0.5-1 GiB. Workspaces: cuBLAS / cuBLASLt per stream, attention's and the grouped GEMM's.
+# NCCL: every communicator connects all its channels at start-up (NCCL_RUNTIME_CONNECT=0), so nothing
+# connects mid-run; reported 0.5-1.6 GiB per communicator within a node, more with NVLS. Fragmentation
+# of the caching allocator with expandable segments, as a share of the peak.
+ALLOWANCE = {"cuda_context_gib": 1.0, "workspaces_gib": 0.5, "nccl_per_communicator_gib": 0.75, "fragmentation": 0.05}
 GiB = 2**30
 STEPS = 3  # one to warm up, two steady
 # The kinds of a rank's memory at its peak, in the order they are reported.
@@ -70,7 +79,7 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
     from ..engine import PipelineEngine
     from ..models.fake_kernels import register_fake_kernels
     from ..parallel.launch import LaunchInfo
-    from ..parallel.mesh import init_parallel, shutdown_parallel
+    from ..parallel.mesh import device_communicators, init_parallel, shutdown_parallel
 
     register_fake_kernels()
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
@@ -109,6 +118,7 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
             "uploads_per_step": max(sum(r.kind.startswith("upload") for r in s) for s in steady),
             "sync_sites": {site: max(Counter(r.site for r in s)[site] for s in steady) for site in sites},
             "syncs_per_evaluation": None if eval_reads is None else len(eval_reads),
+            "nccl_communicators": device_communicators(layout),
         }
     finally:
         shutdown_parallel(peers_alive=False)  # no peers to wait for: destroys the fake groups
@@ -139,28 +149,41 @@ def plan_layout(config, model_config, world_size: int, processes: int = 2) -> li
     return [dict(played[r // dp], rank=r, dp_rank=r % dp) for r in range(world_size)]
 
 
-def overshoot(ranks: list[dict], gpu_memory_gib: float, allowance_gib: float = ALLOWANCE_GIB) -> str | None:
-    """One line naming the rank that exceeds a `gpu_memory_gib` GPU the most (after `allowance_gib`
-    for what the plan does not measure), or None when every rank fits."""
-    budget = (gpu_memory_gib - allowance_gib) * GiB
-    worst = max(ranks, key=lambda r: r["peak_bytes"])
-    if worst["peak_bytes"] <= budget:
+def allowance(rank: dict, items: dict = ALLOWANCE) -> dict[str, float]:
+    """What `rank` (a plan_rank record) keeps free beyond its peak, item by item, and in all (GiB)."""
+    parts = {"cuda context": items["cuda_context_gib"], "workspaces": items["workspaces_gib"],
+             "nccl": items["nccl_per_communicator_gib"] * rank["nccl_communicators"],
+             "fragmentation": items["fragmentation"] * rank["peak_bytes"] / GiB}
+    return parts | {"total": sum(parts.values())}
+
+
+def overshoot(ranks: list[dict], gpu_memory_gib: float, allowance_gib: float | None = None) -> str | None:
+    """One line naming the rank that exceeds a `gpu_memory_gib` GPU the most (after its allowance for
+    what the plan does not measure: `allowance`, or `allowance_gib` for every rank), or None when every
+    rank fits."""
+    def kept(rank):
+        return allowance_gib if allowance_gib is not None else allowance(rank)["total"]
+
+    worst = max(ranks, key=lambda r: r["peak_bytes"] / GiB + kept(r))
+    over = worst["peak_bytes"] / GiB + kept(worst) - gpu_memory_gib
+    if over <= 0:
         return None
+    parts = ("" if allowance_gib is not None else " (" + ", ".join(
+        f"{name} {gib:.1f}" for name, gib in allowance(worst).items() if name != "total") + ")")
     return (f"rank {worst['rank']} (pp rank {worst['pp_rank']}, stages {worst['stages']}) peaks at "
-            f"{worst['peak_bytes'] / GiB:.1f} GiB, {(worst['peak_bytes'] - budget) / GiB:.1f} GiB over the "
-            f"{budget / GiB:.1f} GiB a {gpu_memory_gib:g} GiB GPU leaves after {allowance_gib:g} GiB for the CUDA "
-            "context, NCCL and fragmentation")
+            f"{worst['peak_bytes'] / GiB:.1f} GiB, {over:.1f} GiB over a {gpu_memory_gib:g} GiB GPU after "
+            f"{kept(worst):.1f} GiB kept for what the plan cannot see{parts}")
 
 
 def table(ranks: list[dict]) -> str:
     """Markdown: one row per pipeline rank (its dp replicas hold the same), GiB."""
     shown = [r for r in ranks if r["dp_rank"] == 0]
     head = ["pp rank", "stages", "peak GiB", *(k.replace("_", " ") for k in KINDS), "syncs / step",
-            "syncs / microbatch"]
+            "syncs / microbatch", "NCCL comms", "allowance GiB"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in shown:
         cells = [str(r["pp_rank"]), ",".join(map(str, r["stages"])), f"{r['peak_bytes'] / GiB:.2f}",
                  *(f"{r[f'{k}_bytes'] / GiB:.2f}" for k in KINDS), str(r["syncs_per_step"]),
-                 f"{r['syncs_per_microbatch']:g}"]
+                 f"{r['syncs_per_microbatch']:g}", str(r["nccl_communicators"]), f"{allowance(r)['total']:.2f}"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -19,7 +19,7 @@ from hf_asyncpp.cli import main as cli
 from hf_asyncpp.config import TrainConfig
 from hf_asyncpp.models.presets import build_config
 from hf_asyncpp.parallel.spawn import run_ranks
-from hf_asyncpp.planning.plan import GiB, KINDS, STEPS, plan_layout
+from hf_asyncpp.planning.plan import GiB, KINDS, STEPS, allowance, overshoot, plan_layout
 
 PRESET = "tiny-moe"
 
@@ -81,10 +81,10 @@ def test_plan_command_writes_every_rank_and_refuses_a_budget_too_small_in_one_li
     assert all(r["peak_bytes"] > r["parameter_bytes"] > 0 for r in report["ranks"])
     assert "every rank fits" in capsys.readouterr().out
 
-    budget = 6 + report["ranks"][0]["peak_bytes"] / 2 / GiB  # half of rank 0's peak beyond the allowance
+    budget = allowance(report["ranks"][0])["total"] + report["ranks"][0]["peak_bytes"] / 2 / GiB  # half its peak
     assert cli(["plan", str(config), "--world-size", "4", "--gpu-memory-gib", f"{budget:.6f}"]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")]
-    worst = max(report["ranks"], key=lambda r: r["peak_bytes"])
+    worst = max(report["ranks"], key=lambda r: r["peak_bytes"] / GiB + allowance(r)["total"])
     assert len(err) == 1 and err[0].startswith(f"rank {worst['rank']} (pp rank {worst['pp_rank']}") and "over" in err[0]
 
 
@@ -93,3 +93,14 @@ def test_plan_command_refuses_a_world_size_the_pipeline_does_not_divide(tmp_path
     config.write_text(f"model_config: {PRESET}\npp_size: 2\n")
     assert cli(["plan", str(config), "--world-size", "3"]) == 2
     assert "not a multiple of pp_size 2" in capsys.readouterr().err
+
+
+def test_the_allowance_is_itemised_per_rank_from_its_communicators_and_peak():
+    """CUDA context 1 GiB + workspaces 0.5 + 0.75 per NCCL communicator + 5% of the peak (plan.ALLOWANCE)."""
+    rank = {"rank": 3, "pp_rank": 1, "stages": [1], "peak_bytes": 40 * GiB, "nccl_communicators": 7}
+    parts = allowance(rank)
+    assert parts == {"cuda context": 1.0, "workspaces": 0.5, "nccl": 5.25, "fragmentation": 2.0, "total": 8.75}
+    assert overshoot([rank], 48.75) is None
+    line = overshoot([rank], 48.0)
+    assert line.startswith("rank 3 (pp rank 1, stages [1]) peaks at 40.0 GiB, 0.8 GiB over a 48 GiB GPU") and "nccl 5.2" in line
+    assert overshoot([rank], 48.0, allowance_gib=6.0) is None  # a flat allowance, as given
