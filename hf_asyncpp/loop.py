@@ -25,9 +25,10 @@ from pathlib import Path
 from .log import get_logger
 from .profiling import profiled_step
 from .run_summary import IdleTally, idle_summary
+from .utilization import FIELDS as UTILIZATION_FIELDS
 from .utilization import Utilization
 
-__all__ = ["LoopHooks", "StepDecision", "TrainingLoop", "load_main_process_first", "step_record"]
+__all__ = ["MEASURED_KEYS", "LoopHooks", "StepDecision", "TrainingLoop", "load_main_process_first", "step_record"]
 
 logger = get_logger(__name__)
 
@@ -90,6 +91,11 @@ class LoopHooks:
 
     def on_save(self, path: Path) -> None:
         pass
+
+
+# What a step record says of how fast and in how much memory the machine ran, not of what the run
+# computed: reruns of the same numerics differ there (a reproduction compares the rest).
+MEASURED_KEYS = ("train_tokens_per_second", "step_time_s", "idle_fraction_per_rank", *UTILIZATION_FIELDS)
 
 
 def step_record(result, tokens_seen: int, epoch: float, tokens_per_second: float, schedule: str,

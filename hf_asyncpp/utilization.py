@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PEAK_TFLOPS", "Utilization", "active_parameters", "attention_flops_per_token", "model_flops_per_token",
+__all__ = ["FIELDS", "PEAK_TFLOPS", "Utilization", "active_parameters", "attention_flops_per_token", "model_flops_per_token",
            "peak_tflops"]
+
+# The keys a step record gets from here (`Utilization.fields`): measurements of the machine, which differ
+# between runs of the same numerics.
+FIELDS = ("train_tflops_per_device", "mfu", "max_memory_gib", "peak_rss_gib_per_rank",
+          "max_memory_allocated_gib_per_rank", "max_memory_reserved_gib_per_rank")
 
 # bf16 dense tensor-core peaks (TFLOP/s), by a name the device reports (SXM parts; a PCIe card's is lower:
 # pass `peak_tflops`). Checked in order: "GH200" before "H200".

@@ -1,4 +1,4 @@
-"""The host-sync budget of a steady training step (docs/ARCHITECTURE.md, "Host syncs").
+"""The host-sync budget of a steady training step (docs/ARCHITECTURE.md, "Host syncs"): reads and uploads.
 
 On 2 gloo ranks (pp 2), every host read of a tensor made inside `train_step` is recorded with its call
 site (tests/host_reads.py), over steps that are neither the first (torch's stage infers shapes) nor
@@ -76,13 +76,15 @@ def _reads_per_step(rank, world_size, schedule, optimizer, scope, ef):
 def test_the_recorder_sees_each_kind_of_host_read():
     import torch
 
-    value, mask = torch.tensor([2.0]), torch.tensor([True])
+    value, mask, index = torch.tensor([2.0]), torch.tensor([True]), torch.tensor(1)
     with host_reads_recorded() as reads:
         value.item(), value.tolist(), value.cpu(), float(value), bool(value), value.numpy(), int(value)
-        [0, 1][torch.tensor(1)], value.nonzero(), value.unique(), value.masked_select(mask)
+        [0, 1][index], value.nonzero(), value.unique(), value.masked_select(mask)
         torch.nonzero(value), torch.unique(value), torch.masked_select(value, mask), value.to("cpu")
         value.to(torch.float64), value.to(value.device)  # neither a host copy
-    assert [read.kind for read in reads] == list(READS) + ["nonzero", "unique", "masked_select", "to('cpu')"]
+        torch.tensor([1.0]), torch.as_tensor(2.0)  # host values for the device: uploads
+    assert [read.kind for read in reads] == list(READS) + ["nonzero", "unique", "masked_select", "to('cpu')",
+                                                           "upload: torch.tensor", "upload: torch.as_tensor"]
     assert all(read.site.startswith("tests/test_host_syncs.py:") for read in reads)
 
 

@@ -6,11 +6,13 @@ comparison. Three short runs through `python -m hf_asyncpp.run` — AdamW synchr
 PipeDream-2BW with Error Feedback, SOAP under PipeDream's per-microbatch updates, all on the cosine-to-a-
 floor schedule the studies use — must log the losses pinned here for the current NUMERICS.
 
-Tolerance: 1e-5 relative on torch 2.13, the release they were pinned on. Reruns on one machine agree
-bitwise; the margin is for another processor's kernels (a different vector width rounds matrix products
-differently, ~1e-7 at the first step, grown over 16 steps of a model memorising its data). Another torch
-release's kernels round differently again (at 2.11: 1.4e-4 by step 12 under Muon), so there the pins
-hold to 1e-3, still far below what a change of schedule or formula moves. A change of schedule, default, optimizer formula or
+Tolerance: 1e-5 relative (3e-4 under Muon). Reruns on one machine agree bitwise, and so do torch 2.11,
+2.13 and 2.15 on one machine (checked: the three runs' losses identical to the last bit); the margin is
+for another processor's kernels (a different vector width rounds matrix products differently, ~1e-7 at
+the first step, grown over 16 steps of a model memorising its data). Muon's Newton–Schulz iteration
+amplifies that first difference: 1.4e-4 by step 16 between the processor these were pinned on and an
+Intel Xeon of this project's machines; the tolerance is about twice that, still far below what a
+change of schedule or formula moves. A change of schedule, default, optimizer formula or
 update order moves these losses by far more (a learning-rate floor moves the last steps by > 1e-3). A change
 known to move values, even by rounding below the tolerance, renames NUMERICS in the same commit.
 """
@@ -27,7 +29,6 @@ import torch
 import yaml
 
 from hf_asyncpp.provenance import NUMERICS
-from hf_asyncpp.torch_internals import RELEASE
 from tests.test_engine import small_model_config
 
 RUNS = {
@@ -36,8 +37,7 @@ RUNS = {
                         momentum=0.95),
     "soap-pipedream": dict(optimizer="soap", schedule="pipedream", emulate_pp_size=2, learning_rate=1e-2, momentum=0.9),
 }
-# The losses at steps 4, 8, 12 and 16 of each run, under NUMERICS "2026-12-05", on torch 2.13.
-PINNED_ON = (2, 13)
+# The losses at steps 4, 8, 12 and 16 of each run, under NUMERICS "2026-12-05".
 PINNED = {
     "2026-12-05": {"adamw-sync": [8.7647538, 8.2108107, 7.1643198, 7.1118037],
                    "muon-2bw-ef": [8.6437538, 6.3765398, 4.3642008, 3.8180504],
@@ -79,7 +79,7 @@ def logged_losses(tmp_path_factory):
 @pytest.mark.parametrize("run", RUNS)
 def test_a_short_run_logs_the_losses_pinned_for_the_current_numerics(logged_losses, run):
     assert NUMERICS in PINNED, f"no losses pinned for NUMERICS {NUMERICS!r}: add this code's below it"
-    tolerance = 1e-5 if RELEASE == PINNED_ON else 1e-3
+    tolerance = 3e-4 if RUNS[run]["optimizer"] == "muon" else 1e-5
     assert logged_losses[run] == pytest.approx(PINNED[NUMERICS][run], rel=tolerance), (
         f"{run}'s losses moved: if the change is meant to move numerics, rename provenance.NUMERICS and pin these "
         f"under the new name: {[round(x, 7) for x in logged_losses[run]]}")

@@ -436,9 +436,10 @@ def test_a_sigterm_to_one_process_checkpoints_every_process_and_train_exits_0(co
     assert resumed["global_step"] == STEPS and sorted(_losses(resumed["log_history"])) == list(range(1, STEPS + 1))
 
 
-# The step record's numbers under transformers' names (Trainer's own where it has one), in both outputs.
+# The step record's numbers under transformers' names (Trainer's own where it has one), and what the run
+# measured of its devices (on a CPU: TFLOP/s and the largest peak RSS; MFU has no peak there), in both outputs.
 HF_NAMED_KEYS = {"step", "epoch", "loss", "aux_loss", "learning_rate", "grad_norm", "num_input_tokens_seen",
-                 "train_tokens_per_second", "step_time_s"}
+                 "train_tokens_per_second", "step_time_s", "train_tflops_per_device", "max_memory_gib"}
 
 
 @pytest.mark.multirank
@@ -451,7 +452,8 @@ def test_log_history_and_metrics_jsonl_of_a_run_share_their_keys_and_values(stop
     for entry, record in zip(logged, records):
         assert set(entry) == HF_NAMED_KEYS
         assert set(record) == HF_NAMED_KEYS | {"idle_fraction_per_rank", "weight_version_age_per_stage",
-                                               "skipped_updates_per_stage", "schedule"}  # lists stay in the file
+                                               "skipped_updates_per_stage", "schedule", "mfu",
+                                               "peak_rss_gib_per_rank"}  # lists and None stay in the file
         assert {key: entry[key] for key in HF_NAMED_KEYS} == {key: record[key] for key in HF_NAMED_KEYS}
     steps_per_epoch = 64 / (MBS * M)  # 64 training rows, one dp rank
     assert [record["epoch"] for record in records] == [step / steps_per_epoch for step in (1, 2, 3)]

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..log import get_logger
+from ..loop import MEASURED_KEYS
 from ..provenance import NUMERICS, source_commit
 from .grid import Arm, Study, StudyError
 from .processes import ArmProcesses
@@ -46,8 +47,6 @@ TOLERANCE = 0.01
 # A partial rerun's bound on each value, relative: tests/test_numerics.py's for runs the same numerics
 # compute in another floating-point order (another machine, library build).
 PREFIX_RTOL = 1e-5
-# What a record says about how fast the machine ran, not what the run computed.
-_TIMING_KEYS = ("train_tokens_per_second", "step_time_s", "idle_fraction_per_rank")
 
 
 def _records(directory: Path) -> dict[tuple[int, bool], dict]:
@@ -86,7 +85,7 @@ def compare_records(recorded_dir: Path, rerun_dir: Path, max_steps: int, until: 
     for key in compared:
         theirs = rerun.get(key, {})
         for name, value in recorded[key].items():
-            if name in _TIMING_KEYS:
+            if name in MEASURED_KEYS:
                 continue
             difference = _difference(value, theirs.get(name))
             worst_relative = max(worst_relative, _difference(value, theirs.get(name), relative=True))

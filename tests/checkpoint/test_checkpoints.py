@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from hf_asyncpp.loop import MEASURED_KEYS
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
 
@@ -326,7 +327,7 @@ def test_an_asynchronous_checkpoint_resumes_with_another_dp_size(tmp_path):
         assert len(report["losses"]) == STEPS - AT and all(math.isfinite(x) for x in report["losses"]), report
 
 
-_TIMING = ("train_tokens_per_second", "step_time_s", "idle_fraction_per_rank")
+_TIMING = MEASURED_KEYS
 
 
 def _train_py(out, *overrides):
