@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from ..torch_internals import FakeTensor, unset_fake_temporarily
+from ..torch_internals import FakeTensor, local_shard, unset_fake_temporarily
 
 __all__ = ["READS", "UPLOADS", "HostRead", "HostReads", "in_microbatch"]
 
@@ -134,8 +134,9 @@ class HostReads:
         def to(tensor, *args, **kwargs):
             if _to_host(args, kwargs):
                 return to_host(tensor, *args, **kwargs)
-            # Over fake tensors a real one is host memory: moved to the device, waiting for the copy.
-            if (not self._inside and not self.all_tensors and not isinstance(tensor, FakeTensor)
+            # Over fake tensors a real one is host memory (a DTensor holds a fake shard: device memory):
+            # moved to the device, it waits for the copy.
+            if (not self._inside and not self.all_tensors and not isinstance(local_shard(tensor), FakeTensor)
                     and _to_device(args, kwargs) and not kwargs.get("non_blocking", False)):
                 self.records.append(HostRead("upload: to(device)", *_caller(2)))
             return originals["to"](tensor, *args, **kwargs)

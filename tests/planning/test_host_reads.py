@@ -56,6 +56,25 @@ def test_host_memory_moved_to_the_device_waits_unless_non_blocking():
     assert [r.kind for r in reads.records] == ["upload: to(device)"]
 
 
+def test_a_dtensor_of_fake_shards_is_device_memory_not_host_memory():
+    """FSDP2's gradients and their norms are DTensors over fake shards in a plan: moving one is no upload."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from hf_asyncpp.torch_internals import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with FakeTensorMode(allow_non_fake_inputs=True), HostReads() as reads:
+            norm = distribute_tensor(torch.ones(()), mesh, [Replicate()])
+            norm.to(DEVICE)
+        assert [r.kind for r in reads.records] == []
+    finally:
+        dist.destroy_process_group()
+
+
 def test_take_returns_the_syncs_so_far_and_starts_again():
     with FakeTensorMode(), HostReads() as reads:
         torch.ones(1).item()
