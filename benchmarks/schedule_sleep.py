@@ -52,7 +52,10 @@ def _sleeping_stage_times(rank, world_size, schedule: str, m: int, forward_s: fl
 
     layout = init_parallel(read_launch(), world_size)
     try:
-        stage = PipelineStage(SleepingStage(), rank, world_size, layout.device, group=layout.pp_group)
+        # Static inputs and outputs (one microbatch: a row of 4), as the runtime requires (models/stage_io.py).
+        example = torch.empty(1, 4, device="meta")
+        stage = PipelineStage(SleepingStage(), rank, world_size, layout.device,
+                              example.clone().requires_grad_(rank > 0), example, group=layout.pp_group)
         spec = get_schedule_spec(schedule)
         runtime = build_schedule(spec, [stage], m, lambda out, target: out.sum(),
                                  link_groups(layout, spec.rank_pairs(world_size)))
