@@ -61,7 +61,7 @@ def _rank(rank, world_size, args, output_dir: str, resume: bool):
     from transformers import AutoConfig
 
     from hf_asyncpp.checkpoint import export_hf_model
-    from hf_asyncpp.checkpoint.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+    from hf_asyncpp.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel

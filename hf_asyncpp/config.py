@@ -189,6 +189,10 @@ class CheckpointConfig:
     save_total_limit: int | None = _key(None, "keep only the newest N checkpoints")
     resume_from_checkpoint: str | None = _key(None, "a checkpoint directory, or `latest` in output_dir (a fresh start "
                                               "while there is none)")
+    checkpoint_async: bool = _key(True, "write checkpoints in the background from a host copy of the state, while "
+                                  "training goes on (false: training waits for the files and their checksums)")
+    save_before_time_limit: bool = _key(True, "with the job's end time known (SLURM_JOB_END_TIME), save and stop at "
+                                        "the last step boundary where a save, timed from the run's last one, fits")
 
 
 @dataclass

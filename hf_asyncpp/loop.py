@@ -8,9 +8,13 @@ and the model card. A front end decides only *when*:
 `AsyncPPTrainer` answers through transformers' callbacks. So train.py and the Trainer run the same
 steps on the same rows and log the same losses.
 
-A SIGTERM (preemption) ends the run at the step boundary where every rank learns of it (resilience.py):
-all ranks save a checkpoint there and `run()` returns with `terminated_at` set; nothing else follows
-(no final evaluation or export), and the same command with `resume_from_checkpoint: latest` continues.
+Checkpoints are written in the background while the next steps run (checkpoint/saving.py): the
+front end hears of one (`on_save`) once it is complete, at the next save, a stop or the end.
+
+A SIGTERM (preemption) ends the run at the step boundary where every rank learns of it (resilience.py),
+and so does the job's time limit once only a save still fits before it (resilience.TimeLimit): all
+ranks save a checkpoint there and `run()` returns with `terminated_at` set; nothing else follows (no
+final evaluation or export), and the same command with `resume_from_checkpoint: latest` continues.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from .log import get_logger
 from .profiling import profiled_step
+from .resilience import LocalFailure, PeerLostError, RunFailure
 from .run_summary import IdleTally, idle_summary
 from .utilization import FIELDS as UTILIZATION_FIELDS
 from .utilization import Utilization
@@ -192,6 +197,13 @@ class TrainingLoop:
         self.idle = IdleTally()  # this launch's steps, for the closing lines
         self.utilization = Utilization(model_config, config.seq_len, layout.world_size, layout.device,
                                        config.peak_tflops)
+        from .checkpoint.saving import CheckpointWriter
+        from .resilience import TimeLimit
+
+        self.checkpoints = CheckpointWriter(layout, background=config.checkpoint_async)
+        self.time_limit = TimeLimit.from_environment() if config.save_before_time_limit and self._stops_cleanly() else None
+        self._state_bytes: int | None = None  # this rank's checkpoint size, for the time limit before a save is timed
+        self._time_limit_asked = False  # this rank asked for the stop, the job's end being near
 
     def resume(self, resume_from: str) -> None:
         """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it.
@@ -228,8 +240,15 @@ class TrainingLoop:
         logger.info(f"{engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; {engine.plan.describe()}")
         progress = tqdm(total=self.end_step, initial=self.start_step, disable=not self.progress_bar,
                         desc="train", unit="step")
-        with self._termination_handled():
-            self._steps(self.start_step, progress)
+        try:
+            with self._termination_handled():
+                self._steps(self.start_step, progress)
+        except RunFailure as err:
+            if not isinstance(err, (LocalFailure, PeerLostError)):  # raised together: the save in flight can end
+                with contextlib.suppress(RunFailure):
+                    self.settle_checkpoint()
+            raise
+        self.settle_checkpoint()
         engine.finish(wait_for_sends=self.terminated_at is None)
         progress.close()
         if self.terminated_at is None and self.data.held_out is not None:
@@ -253,12 +272,27 @@ class TrainingLoop:
                          f"perplexity {self.final_eval['eval_perplexity']:.2f}")
         return lines
 
+    def _stops_cleanly(self) -> bool:
+        """Whether a step boundary can be checkpointed (not WPipe on a pipeline: ScheduleSpec.step_boundary)."""
+        return self.engine.spec.step_boundary(self.config.pp_size, self.config.n_microbatches).clean
+
     def _termination_handled(self):
-        """SIGTERM handled at a step boundary where the run can be checkpointed; otherwise (WPipe on
-        a pipeline: ScheduleSpec.step_boundary) the signal keeps its default effect."""
-        if not self.engine.spec.step_boundary(self.config.pp_size, self.config.n_microbatches).clean:
-            return contextlib.nullcontext()
-        return self.engine.termination.installed()
+        """SIGTERM handled at a step boundary where the run can be checkpointed; otherwise the signal
+        keeps its default effect."""
+        return self.engine.termination.installed() if self._stops_cleanly() else contextlib.nullcontext()
+
+    def _watch_time_limit(self, step_time_s: float) -> None:
+        """Ask for the stop once a save would no longer fit before the job's end (resilience.TimeLimit)."""
+        measured = self.checkpoints.last.total_s if self.checkpoints.last else self.checkpoint_state.get("save_seconds")
+        if measured is None and self._state_bytes is None:
+            from .checkpoint.saving import state_bytes
+            from .checkpoint.training_state import training_state
+
+            self._state_bytes = state_bytes(training_state(self.engine, self.layout.rank))
+        save_s = self.time_limit.save_estimate_s(measured, self._state_bytes or 0)
+        if self.time_limit.due(step_time_s, save_s) and not self._time_limit_asked:
+            self._time_limit_asked = True
+            self.engine.termination.request(self.time_limit.reason(save_s))
 
     def _rows(self, step: int):
         """Step `step`'s rows on this rank. A streamed dataset is checked as it is read: a bad row found
@@ -283,6 +317,8 @@ class TrainingLoop:
             if trace is not None and self.layout.is_main:
                 logger.info(f"step {step + 1} profiled: {trace.parent}/step{step + 1}_rank*.json (Chrome trace)")
             step = result.step
+            if self.time_limit is not None:
+                self._watch_time_limit(result.step_time_s)
             self.tokens_seen += result.tokens
             self.idle.add(result)
             progress.update(1)
@@ -298,10 +334,12 @@ class TrainingLoop:
             if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway
                 self.hooks.on_evaluate(self.evaluate(step))
             if decision.save or (result.termination_requested and step < self.end_step):
-                self.hooks.on_save(self.save(step))
+                self.save(step)
             if result.termination_requested and step < self.end_step:
+                self.settle_checkpoint()
                 self.terminated_at = step
-                logger.info(f"stopped after step {step} on SIGTERM; checkpoint-{step} is saved: run the same "
+                cause = "the job's time limit" if self._time_limit_asked else "SIGTERM"
+                logger.info(f"stopped after step {step} on {cause}; checkpoint-{step} is saved: run the same "
                             "command with resume_from_checkpoint: latest to continue")
                 break
             if decision.stop and step < self.end_step:
@@ -336,18 +374,37 @@ class TrainingLoop:
         return results
 
     def save(self, step: int) -> Path:
-        """A training checkpoint after `step` steps (collective): the engine's state, the front end's
-        TrainerState, the model's config and tokenizer, and what the run's card is made of."""
-        from .checkpoint.checkpoints import save_checkpoint
-
+        """Start a training checkpoint after `step` steps (collective): the engine's state, the front
+        end's TrainerState, the model's config and tokenizer, and what the run's card is made of. It is
+        complete, and the front end told (on_save), by `settle_checkpoint`: at once unless
+        checkpoint_async, otherwise at the next save, a stop or the end."""
+        self.settle_checkpoint()
+        last = self.checkpoints.last
         run_state = {"tokens_seen": self.tokens_seen, "config": dataclasses.asdict(self.config),
                      "nonfinite": self.engine.guard.state_dict(), "last_record": self.last_record,
                      "last_eval": self.last_eval, "data_description": self.data_description,
-                     "started_from": self.started_from}
+                     "started_from": self.started_from,
+                     # the latest save's time, for the time-limit stop of the launch that resumes this one
+                     "save_seconds": last.total_s if last else self.checkpoint_state.get("save_seconds")}
         trainer_state = dataclasses.asdict(self.hooks.trainer_state(self, step))
-        return save_checkpoint(self.engine, self.layout, self.config.output_dir, step, run_state,
-                               self.config.save_total_limit, trainer_state, self.model_config, self.tokenizer,
-                               data_position=self.data.sampler.position(step))
+        path = self.checkpoints.save(self.engine, self.config.output_dir, step, run_state,
+                                     self.config.save_total_limit, trainer_state, self.model_config, self.tokenizer,
+                                     data_position=self.data.sampler.position(step))
+        if not self.checkpoints.background:
+            self.settle_checkpoint()
+        return path
+
+    def settle_checkpoint(self) -> None:
+        """Wait for the checkpoint being written (collective); once it is complete, say how long it took
+        and tell the front end (on_save). A failed write raises its CheckpointError here, on every rank."""
+        done = self.checkpoints.wait()
+        if done is None:
+            return
+        timing = self.checkpoints.last
+        if self.layout.is_main:
+            logger.info(f"saved {done} ({timing.bytes / 2**30:.2f} GiB; training waited {timing.staging_s:.1f} s, "
+                        f"writing took {timing.writing_s:.1f} s)")
+        self.hooks.on_save(done)
 
     def close(self) -> None:
         """Close the metrics file and trackers and draw the loss curves (main process)."""
@@ -376,6 +433,7 @@ class TrainingLoop:
         """The HF model (safetensors, config, tokenizer, model card) in `out_dir` (collective)."""
         from .checkpoint import export_dtype, export_hf_model
 
+        self.settle_checkpoint()
         card = self.model_card(repo_id) if self.layout.is_main else None
         out = export_hf_model(self.engine.stage_state_dict(), self.layout, self.model_config, self.tokenizer,
                               Path(out_dir), self.config.max_shard_size, card, export_dtype(self.config.export_dtype))

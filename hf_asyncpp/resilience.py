@@ -9,6 +9,7 @@ receive):
     schedules, per stage for asynchronous ones, where a non-finite loss reaches every stage through the
     backward); the policy then stops the run, or lets it continue up to a number of skipped steps;
   - a termination request (SIGTERM, `TerminationRequest`): the run saves a checkpoint and ends cleanly;
+    the run asks for one itself while a save still fits before the job's time limit (`TimeLimit`);
   - a rank that died or stalled: the others' next message times out (`comm_timeout_s`) or fails at
     once (a closed connection), and `lost_peers_reported` turns that into a `PeerLostError`.
 
@@ -22,12 +23,14 @@ held for that norm is decided in the next step and its outcome travels in that s
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import time
 
 from .log import get_logger
 
 __all__ = ["NONFINITE_POLICIES", "LocalFailure", "NonFiniteError", "NonFiniteGuard", "PeerLostError", "RunFailure",
-           "TerminationRequest", "first_nonfinite", "lost_peers_reported"]
+           "TerminationRequest", "TimeLimit", "first_nonfinite", "lost_peers_reported"]
 
 logger = get_logger(__name__)
 
@@ -179,11 +182,15 @@ class TerminationRequest:
     def __init__(self):
         self.requested = False
 
-    def _handle(self, signum, frame) -> None:
+    def request(self, reason: str) -> None:
+        """Ask for the stop (this rank; every rank stops with it one step later)."""
         if not self.requested:
-            # A warning: said by the rank that received it, whichever it is.
-            logger.warning("SIGTERM: saving a checkpoint at the next step boundary, then stopping")
+            # A warning: said by the rank that asked, whichever it is.
+            logger.warning(f"{reason}: saving a checkpoint at the next step boundary, then stopping")
         self.requested = True
+
+    def _handle(self, signum, frame) -> None:
+        self.request("SIGTERM")
 
     def installed(self):
         return signals_handled(self._handle, signal.SIGTERM)
@@ -205,3 +212,46 @@ def signals_handled(handler, *signals: signal.Signals):
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
+
+
+class TimeLimit:
+    """The job's end, and the step boundary where the run must stop to save before it.
+
+    A scheduler's SIGTERM gives a fixed lead (moe_10b.sbatch: 120 s) that a large model's save may not
+    fit. Knowing when the job ends (`SLURM_JOB_END_TIME`, seconds since the epoch: set by Slurm 23.02
+    and later, and by the launch file from `squeue` before that), the run stops on its own while
+    the save still fits: a stop asked for at a step boundary is seen by every rank one step later
+    (resilience: the statistics all-reduce), so two steps and one save must fit before the end, the
+    save counted SAFETY times over and MARGIN_S kept for the processes to exit. The save's time is
+    the latest measured one (checkpoint/saving.py: staging plus writing, the slowest rank's); before
+    any, the state's size at ASSUMED_WRITE_RATE.
+    """
+
+    ENV = "SLURM_JOB_END_TIME"
+    SAFETY, MARGIN_S = 1.5, 30.0
+    ASSUMED_WRITE_RATE = 200e6  # bytes per second per rank: a slow shared file system's share
+
+    def __init__(self, end_time: float):
+        self.end_time = end_time
+
+    @classmethod
+    def from_environment(cls) -> "TimeLimit | None":
+        """The job's time limit, where the environment says it (None otherwise)."""
+        value = os.environ.get(cls.ENV, "").strip()
+        try:
+            return cls(float(value)) if value else None
+        except ValueError:
+            logger.warning(f"{cls.ENV}={value!r} is not a time in seconds since the epoch: no time-limit stop")
+            return None
+
+    def save_estimate_s(self, measured_s: float | None, state_bytes: int) -> float:
+        return measured_s if measured_s is not None else state_bytes / self.ASSUMED_WRITE_RATE
+
+    def due(self, step_time_s: float, save_s: float, now: float | None = None) -> bool:
+        """Whether a stop asked for now is the last one whose save still ends before the limit."""
+        now = time.time() if now is None else now
+        return now + 2 * step_time_s + self.SAFETY * save_s + self.MARGIN_S >= self.end_time
+
+    def reason(self, save_s: float) -> str:
+        left = self.end_time - time.time()
+        return f"the job ends in {left:.0f} s ({self.ENV}) and a checkpoint takes about {save_s:.0f} s to save"

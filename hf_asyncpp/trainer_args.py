@@ -274,6 +274,9 @@ class AsyncPPTrainingArguments(TrainingArguments):
             "save_total_limit": self.save_total_limit, "hub_model_id": self.hub_model_id,
             "max_steps": max_steps or (self.max_steps if self.max_steps > 0 else 1),
             "report_to": [], "save_final": False, "push_to_hub": False,  # the Trainer's callbacks and methods do these
+            # Trainer's on_save callbacks (a push at every save, best-checkpoint tracking) read the state at
+            # the save, on complete files: written while training waits (pipeline_config may say otherwise).
+            "checkpoint_async": False,
         }
         if getattr(self, "activation_checkpointing", False) or self.gradient_checkpointing:  # HF's switch, its old name
             values["activation_checkpointing"] = "full"  # every decoder layer; "selective" via pipeline_config

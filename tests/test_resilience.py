@@ -299,6 +299,46 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_and_the_same_command_continu
 
 
 @pytest.mark.multirank
+def test_a_job_near_its_time_limit_saves_and_stops_by_itself_and_the_same_command_continues_bitwise(uninterrupted):
+    """SLURM_JOB_END_TIME already reached: the first step boundary asks for the stop, every rank saves
+    at the same step, and the requeued job (the same command, no time limit) continues bit for bit."""
+    tmp_path, reference = uninterrupted
+    out = tmp_path / "time-limited"
+    command = _long_command(tmp_path, out, *_torchrun())
+    stopped_run = subprocess.run(command, env={**_env(), "SLURM_JOB_END_TIME": str(int(time.time()))},
+                                 capture_output=True, text=True, timeout=600)
+    assert stopped_run.returncode == 0, stopped_run.stderr[-3000:]
+    assert "and a checkpoint takes about" in stopped_run.stderr  # the reason, said by the ranks that asked
+    stopped = int(re.search(r"stopped after step (\d+) on the job's time limit", stopped_run.stderr).group(1))
+    assert 1 <= stopped <= 3 and [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{stopped}"]
+    rerun = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {out / f'checkpoint-{stopped}'}" in rerun.stderr
+    _same_run(out, reference)
+
+
+def test_the_time_limit_stop_leaves_two_steps_and_one_and_a_half_saves_and_a_margin():
+    from hf_asyncpp.resilience import TimeLimit
+
+    limit = TimeLimit(end_time=1000.0)
+    # 2 × 10 s steps + 1.5 × 40 s save + 30 s margin = 110 s before the end
+    assert not limit.due(step_time_s=10, save_s=40, now=889.9) and limit.due(step_time_s=10, save_s=40, now=890.0)
+    assert limit.save_estimate_s(measured_s=12.5, state_bytes=10**12) == 12.5  # a measured save wins
+    assert limit.save_estimate_s(measured_s=None, state_bytes=4 * 10**9) == 4e9 / TimeLimit.ASSUMED_WRITE_RATE
+
+
+def test_the_job_end_time_comes_from_the_environment(monkeypatch, capsys):
+    from hf_asyncpp.resilience import TimeLimit
+
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    assert TimeLimit.from_environment() is None
+    monkeypatch.setenv("SLURM_JOB_END_TIME", "1765000000")
+    assert TimeLimit.from_environment().end_time == 1765000000
+    monkeypatch.setenv("SLURM_JOB_END_TIME", "Unknown")
+    assert TimeLimit.from_environment() is None and "no time-limit stop" in capsys.readouterr().err
+
+
+@pytest.mark.multirank
 def test_sigterm_to_the_one_process_emulator_checkpoints_and_the_same_command_continues_bitwise(uninterrupted):
     """`python train.py` (no launcher) emulates the 2BW pipeline at depth 2 in one process; preempted,
     it saves its kept weight versions at the step boundary, and the rerun equals an emulated run that

@@ -199,11 +199,12 @@ FAKE_PYTHON = """#!/bin/bash
 """
 
 
-def _launches(tmp_path, **variables) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """What each node's task started `python` with: {node: (arguments, environment)}."""
+def _launches(tmp_path, squeue: str | None = None, **variables) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """What each node's task started `python` with: {node: (arguments, environment)}; `squeue`: a
+    squeue on the PATH (none by default)."""
     capture = tmp_path / "capture"
-    capture.mkdir()
-    bin_dir = _bin(tmp_path, getent=FAKE_GETENT, ip=FAKE_IP, python=FAKE_PYTHON)
+    capture.mkdir(parents=True)
+    bin_dir = _bin(tmp_path, getent=FAKE_GETENT, ip=FAKE_IP, python=FAKE_PYTHON, **({"squeue": squeue} if squeue else {}))
     job = _Job(SCRIPT, tmp_path, bin_dir, ["node-a", "node-b"], CAPTURE=str(capture), **variables)
     try:
         code, log = job.wait(timeout=60)
@@ -245,6 +246,26 @@ def test_a_gloo_interface_set_by_the_user_is_kept_on_every_node(tmp_path):
         "node-a": "ib0", "node-b": "ib0"}
 
 
+FAKE_SQUEUE = """#!/bin/bash
+# squeue -h -j JOB -o %e: the job's end time, as squeue prints it (local time, no zone)
+[[ $1 == -h && $2 == -j && $3 == "$SLURM_JOB_ID" && $4 == -o && $5 == %e ]] || exit 1
+echo 2026-12-07T18:30:00
+"""
+
+
+def test_every_node_s_ranks_know_when_the_job_ends_from_slurm_or_from_squeue(tmp_path):
+    """The run's own time-limit stop needs the job's end: Slurm 23.02 and later export
+    SLURM_JOB_END_TIME, which is kept; before, the script asks squeue."""
+    expected = subprocess.run(["date", "-d", "2026-12-07T18:30:00", "+%s"], capture_output=True, text=True).stdout.strip()
+    launches = _launches(tmp_path / "older", squeue=FAKE_SQUEUE)
+    assert {node: environment.get("SLURM_JOB_END_TIME") for node, (_, environment) in launches.items()} == {
+        "node-a": expected, "node-b": expected}
+    launches = _launches(tmp_path / "newer", squeue=FAKE_SQUEUE, SLURM_JOB_END_TIME="1796000000")
+    assert {environment.get("SLURM_JOB_END_TIME") for _, environment in launches.values()} == {"1796000000"}
+    launches = _launches(tmp_path / "none")  # no squeue at all: no stop of the run's own, the job still starts
+    assert all("SLURM_JOB_END_TIME" not in environment for _, environment in launches.values())
+
+
 def test_every_node_s_launcher_gives_its_ranks_most_of_the_signal_s_lead_to_save(tmp_path):
     """torchrun passes SIGTERM on to its ranks and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds
     later (torch's default: 30, torch/distributed/launcher/api.py), which a large model's save may
@@ -256,7 +277,8 @@ def test_every_node_s_launcher_gives_its_ranks_most_of_the_signal_s_lead_to_save
 
 
 # The run: the 2BW run of tests/test_resilience.py's preemption tests, as a config file, checkpointing
-# only when signalled.
+# every 2 steps in the background (the newest kept) and when signalled: the signal may come while a
+# periodic checkpoint is being written, which the stop then waits for.
 SEQ, MBS, M, STEPS = 16, 2, 4, 30
 
 
@@ -269,7 +291,7 @@ def _config(tmp_path) -> Path:
     config = {"model_config": str(tmp_path / "model"), "dataset": str(tmp_path / "data.jsonl"), "seq_len": SEQ,
               "micro_batch_size": MBS, "n_microbatches": M, "pp_size": 2, "schedule": "pipedream-2bw",
               "ef": True, "optimizer": "adamw", "learning_rate": 3e-3, "warmup_steps": 3, "max_steps": STEPS,
-              "save_steps": 1000, "threads_per_rank": 1, "report_to": "none", "comm_timeout_s": 60,
+              "save_steps": 2, "save_total_limit": 1, "threads_per_rank": 1, "report_to": "none", "comm_timeout_s": 60,
               "resume_from_checkpoint": "latest", "output_dir": str(tmp_path / "job")}
     path = tmp_path / "config.yaml"
     path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in config.items()))  # JSON is YAML

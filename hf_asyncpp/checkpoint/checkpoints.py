@@ -1,7 +1,7 @@
 """Training checkpoints on disk: `<output_dir>/checkpoint-<step>/`, written atomically, verified on load.
 
-A checkpoint is written by all ranks into `checkpoint-<step>.partial/` with
-torch.distributed.checkpoint (each rank its own shards, in parallel), beside the model's config.json,
+A checkpoint is written by all ranks (saving.py: in the background while training goes on) into
+`checkpoint-<step>.partial/` with torch.distributed.checkpoint (each rank its own shards, in parallel), beside the model's config.json,
 generation_config.json and tokenizer files (rank 0); the ranks then hash the files between them
 (each file once, in parallel), and rank 0 adds `trainer_state.json` (transformers' `TrainerState`:
 `TrainerState.load_from_json` reads it), `pipeline_state.json` (what this library resumes from: the
@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-from ..resilience import RunFailure, first_nonfinite
-from .training_state import load_training_state, training_state
+from ..resilience import RunFailure
+from .training_state import load_training_state
 
-__all__ = ["CheckpointError", "find_checkpoint", "list_checkpoints", "load_checkpoint", "read_data_positions",
-           "save_checkpoint", "verify_checkpoint", "verify_checksums"]
+__all__ = ["CheckpointError", "digest", "find_checkpoint", "list_checkpoints", "load_checkpoint", "read_data_positions",
+           "share_of", "verify_checkpoint", "verify_checksums"]
 
 PREFIX = "checkpoint-"
 MANIFEST, TRAINER_STATE, PIPELINE_STATE = "manifest.json", "trainer_state.json", "pipeline_state.json"
@@ -72,7 +69,7 @@ def find_checkpoint(resume_from: str, output_dir: str | Path) -> Path | None:
     return path
 
 
-def _digest(path: Path) -> str:
+def digest(path: Path) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -80,130 +77,9 @@ def _digest(path: Path) -> str:
     return sha.hexdigest()
 
 
-def _write_json(path: Path, value) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _first_cause(err: CheckpointException) -> BaseException:
-    """The underlying error of the lowest failing rank (DCP wraps each rank's error with its traceback)."""
-    for _, wrapped in sorted(err.failures.items()):
-        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # (exception, stack summary)
-        if isinstance(cause, BaseException):
-            return cause
-    return err
-
-
-def _report(failure: BaseException, final: Path) -> str:
-    """The failure, with the free space where the checkpoint goes: a full disk then shows even when
-    the failing writer lost the errno (torch.save's zip writer says only "unexpected pos")."""
-    report = f"{type(failure).__name__}: {failure}"
-    try:
-        return f"{report}; {shutil.disk_usage(final.parent).free} bytes free on its file system"
-    except OSError:
-        return report
-
-
-def _agree(layout, final: Path, failure: BaseException | None, share=None) -> list:
-    """Every rank learns whether any rank's part of the save failed, and raises the same error.
-    Returns every rank's `share` (what each contributed: its files' digests)."""
-    reports = [None] * layout.world_size
-    mine = (None if failure is None else _report(failure, final), share)
-    dist.all_gather_object(reports, mine, group=layout.io_group)
-    failed = [(rank, report) for rank, (report, _) in enumerate(reports) if report]
-    if failed:
-        rank, report = failed[0]
-        raise CheckpointError(f"saving checkpoint {final} failed on rank {rank} ({report}); "
-                              "the previous checkpoint is kept")
-    return [s for _, s in reports]
-
-
-def _my_share(names: list[str], layout) -> list[str]:
-    """The files this rank hashes: every file is hashed by one rank, the ranks in parallel."""
-    return sorted(names)[layout.rank::layout.world_size]
-
-
-def save_checkpoint(engine, layout, output_dir: str | Path, step: int, run_state: dict,
-                    save_total_limit: int | None = None, trainer_state: dict | None = None,
-                    model_config=None, tokenizer=None, data_position: dict | None = None) -> Path:
-    """Write the training state after `step` completed steps (collective: every rank calls it).
-    `run_state`: the front end's own resume state (pipeline_state.json, with the step and layout added);
-    `trainer_state`: a `TrainerState` as a dict (trainer_state.json; by default one with the step);
-    `model_config`, `tokenizer`: written beside the weights, so the checkpoint exports on its own;
-    `data_position`: this rank's position in a streamed dataset (None where it reads none; the ranks
-    of one dp rank hold the same position, which is written once).
-    A failure on any rank (a full disk, an unwritable directory, a non-finite value in the state,
-    which is then not written at all) raises the same CheckpointError on
-    every rank, naming the path and the cause; the partial directory is removed and the previous
-    checkpoint, pruned only after a new one is complete, stays."""
-    from .hf_export import write_model_files
-
-    final = Path(output_dir) / f"{PREFIX}{step}"
-    staging = final.with_name(final.name + ".partial")
-    engine.settle_updates()  # updates held for their global norm: a resume replays none of their units
-    state = training_state(engine, layout.rank)
-    try:
-        failure, position = None, None
-        bad = first_nonfinite(state.items())
-        if bad is not None:  # never written: a checkpoint that resumes into NaN is worse than none
-            failure = ValueError(f"{bad} holds non-finite values")
-        try:
-            position = None if data_position is None else json.dumps(data_position)
-            if layout.is_main and failure is None:
-                shutil.rmtree(staging, ignore_errors=True)
-                staging.mkdir(parents=True)
-                if model_config is not None:
-                    write_model_files(staging, model_config, tokenizer)
-        except Exception as err:  # noqa: BLE001 — every rank must learn of it, whatever it is
-            failure = err
-        shared = _agree(layout, final, failure, position)  # every rank's position: kept once per dp rank
-        positions = {p["dp_rank"]: p for p in map(json.loads, filter(None, shared))}
-        failure = None
-        try:
-            # Not flattened: a dict entry (LR schedule, RNG) is one object under its key, as load expects.
-            dcp.save(state, storage_writer=FileSystemWriter(staging), process_group=layout.io_group,
-                     planner=DefaultSavePlanner(flatten_state_dict=False))
-        except CheckpointException as err:  # DCP reports a failed write on every rank (a BaseException)
-            failure = _first_cause(err)
-        except Exception as err:
-            failure = err
-        _agree(layout, final, failure)
-        failure, digests = None, {}
-        try:
-            digests = {name: {"bytes": (staging / name).stat().st_size, "sha256": _digest(staging / name)}
-                       for name in _my_share([p.name for p in staging.iterdir()], layout)}
-        except OSError as err:
-            failure = err
-        shares = _agree(layout, final, failure, digests)
-        failure = None
-        try:
-            if layout.is_main:
-                files = {name: info for share in shares for name, info in share.items()}
-                states = {TRAINER_STATE: trainer_state or {"global_step": step},
-                          PIPELINE_STATE: dict(run_state, format=FORMAT, step=step, dp_size=layout.dp_size,
-                                               **engine.executor.run_layout())}
-                if positions:
-                    states[DATA_POSITIONS] = [positions[d] for d in sorted(positions)]
-                for name, value in states.items():
-                    _write_json(staging / name, value)
-                    files[name] = {"bytes": (staging / name).stat().st_size, "sha256": _digest(staging / name)}
-                _write_json(staging / MANIFEST, dict(sorted(files.items())))  # last: marks the files complete
-                shutil.rmtree(final, ignore_errors=True)
-                staging.rename(final)
-        except OSError as err:
-            failure = err
-        _agree(layout, final, failure)
-    except CheckpointError:
-        if layout.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if layout.is_main and save_total_limit:
-        for old in list_checkpoints(output_dir)[:-save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier(group=layout.io_group)
-    return final
+def share_of(names: list[str], rank: int, world_size: int) -> list[str]:
+    """The files `rank` hashes: every file is hashed by one rank, the ranks in parallel."""
+    return sorted(names)[rank::world_size]
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -233,8 +109,8 @@ def verify_checksums(path: Path, layout=None) -> None:
     and every rank raises the same CheckpointError if one is damaged. Without a layout, this
     process hashes them all."""
     manifest = json.loads((path / MANIFEST).read_text())
-    mine = list(manifest) if layout is None else _my_share(list(manifest), layout)
-    found = [[name for name in mine if _digest(path / name) != manifest[name]["sha256"]]]
+    mine = list(manifest) if layout is None else share_of(list(manifest), layout.rank, layout.world_size)
+    found = [[name for name in mine if digest(path / name) != manifest[name]["sha256"]]]
     if layout is not None:
         mine, found = found[0], [None] * layout.world_size
         dist.all_gather_object(found, mine, group=layout.io_group)

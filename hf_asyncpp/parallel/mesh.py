@@ -56,6 +56,9 @@ class ParallelLayout:
     # And on gloo with the I/O timeout: weights gathered as Python objects for an export (NCCL would
     # stage them in GPU memory, pp times the largest on the gathering rank) around the stages' writes.
     io_pp_group: object = None
+    # All ranks once more, gloo with the I/O timeout: a checkpoint's writing half (checkpoint/saving.py),
+    # whose collectives run on a background thread beside the main thread's on io_group.
+    checkpoint_group: object = None
     # How long a collective or message waits for a peer (comm_timeout_s) in the groups made here.
     timeout: timedelta = timedelta(minutes=10)
 
@@ -122,6 +125,7 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
     io_backend = _io_backend()
     io_group = dist.new_group(backend=io_backend, timeout=max(IO_TIMEOUT, timeout))
     io_pp_group, _ = dist.new_subgroups_by_enumeration(replicas, timeout=max(IO_TIMEOUT, timeout), backend=io_backend)
+    checkpoint_group = dist.new_group(backend=io_backend, timeout=max(IO_TIMEOUT, timeout))
     # Set up: from now on a peer that does not answer within comm_timeout_s is dead or stalled. (The
     # default group was made with the start-up timeout, the mesh's with torch's default; they carry
     # collectives only, which take the timeout set now.)
@@ -139,6 +143,7 @@ def init_parallel(launch: LaunchInfo, pp_size: int, timeout_s: float = 600.0) ->
         eval_pp_group=eval_pp_group,
         norm_pp_group=norm_pp_group,
         io_pp_group=io_pp_group,
+        checkpoint_group=checkpoint_group,
         timeout=timeout,
     )
 

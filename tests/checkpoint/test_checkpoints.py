@@ -48,7 +48,7 @@ def _run_part(rank, world_size, pp_size, schedule, optimizer, ef, output_dir, pa
     then save) or "resumed" (load, then the remaining steps). Returns losses and weight digests."""
     import hashlib
 
-    from hf_asyncpp.checkpoint.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+    from hf_asyncpp.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
@@ -124,7 +124,7 @@ def test_an_emulated_schedule_resumes_bitwise(tmp_path, world_size, schedule, de
 
 
 def _train_and_save(rank, world_size, output_dir):
-    from hf_asyncpp.checkpoint.checkpoints import save_checkpoint
+    from hf_asyncpp.checkpoint import save_checkpoint
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
@@ -191,8 +191,8 @@ def _verify_checksums(rank, world_size, path):
     read = []
     import hf_asyncpp.checkpoint.checkpoints as checkpoints
 
-    original = checkpoints._digest
-    checkpoints._digest = lambda p: read.append(p.name) or original(p)
+    original = checkpoints.digest
+    checkpoints.digest = lambda p: read.append(p.name) or original(p)
     try:
         verify_checksums(Path(path), layout)
         return None, read
@@ -253,7 +253,7 @@ def _digests(engine) -> dict[str, str]:
 
 
 def _save_or_load(rank, world_size, pp_size, schedule, output_dir, save):
-    from hf_asyncpp.checkpoint.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+    from hf_asyncpp.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
