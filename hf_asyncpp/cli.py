@@ -177,7 +177,7 @@ def _plan(argv: list[str]) -> int:
     import json
 
     from .config import ConfigError, load_config
-    from .planning.plan import overshoot, plan_layout, table
+    from .planning.plan import named_temporaries, overshoot, plan_layout, table
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp plan", description="each rank's peak device memory, "
                                      "played on fake tensors at the config's real size")
@@ -201,6 +201,8 @@ def _plan(argv: list[str]) -> int:
         return 2
     ranks = plan_layout(config, model_config, world_size)
     print(table(ranks))
+    for line in named_temporaries(ranks):
+        print(line)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({
             "config": args.config, "overrides": overrides, "world_size": world_size,

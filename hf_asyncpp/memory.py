@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from .torch_internals import receive_buffers
+from .torch_internals import fsdp_unsharded, receive_buffers
 
 __all__ = ["held_tensors", "local_bytes", "state_bytes"]
 
@@ -38,22 +38,24 @@ def local_bytes(tensors: Iterable[torch.Tensor], counted_already: Iterable[torch
     return total
 
 
-def held_tensors(params, updaters, versioned_stages=(), torch_stages=()) -> dict[str, list[torch.Tensor]]:
+def held_tensors(params, updaters, versioned_stages=(), torch_stages=(), modules=()) -> dict[str, list[torch.Tensor]]:
     """A rank's tensors by kind of state: parameter, gradient (with a low-precision compute copy's fp32
-    sums), optimizer_state, ef_buffer, weight_version (every buffer, the masters' included), compute_copy
-    (live gathered copies), receive_buffer (torch stages' P2P receive buffers)."""
+    sums, and FSDP2's unsharded gradients before their reduction), optimizer_state, ef_buffer,
+    weight_version (every buffer, the masters' included), compute_copy (live gathered copies: a
+    versioned stage's, FSDP2's under `modules`), receive_buffer (torch stages' P2P receive buffers)."""
     def tensors(values) -> list[torch.Tensor]:
         return [v for v in values if isinstance(v, torch.Tensor)]
 
     versioned_stages = list(versioned_stages)
+    fsdp_copies, fsdp_grads = fsdp_unsharded(modules)
     return {
         "parameter": list(params),
-        "gradient": tensors([*(p.grad for p in params),
+        "gradient": tensors([*(p.grad for p in params), *fsdp_grads,
                              *(t for v in versioned_stages for b in range(len(v.buffers_)) for t in v.gradient_sums(b).values())]),
         "optimizer_state": tensors(v for u in updaters for s in u.optimizer.state.values() for v in s.values()),
         "ef_buffer": tensors(t for u in updaters for t in getattr(u.stepper, "previous_update", {}).values()),
         "weight_version": [t for v in versioned_stages for b in v.buffers_ for t in b.values()],
-        "compute_copy": [t for v in versioned_stages for c in v.live_compute_copies() for t in c.values()],
+        "compute_copy": [*(t for v in versioned_stages for c in v.live_compute_copies() for t in c.values()), *fsdp_copies],
         "receive_buffer": [t for stage in torch_stages for t in receive_buffers(stage)],
     }
 

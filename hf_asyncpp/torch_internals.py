@@ -22,6 +22,7 @@ each name's behaviour on the installed release, and CI runs it at both ends of t
 | `_foreach_sub_`, `_foreach_add_`, `_utils._(un)flatten_dense_tensors` | Error Feedback's step; one all-reduce for a stage's gradients | 2.11–2.15 |
 | `utils._python_dispatch.TorchDispatchMode`, `utils._pytree.tree_flatten`, DTensor `_local_tensor` (`local_shard`) | the memory tracker | 2.11–2.15 |
 | `nn.Module._parameters` / `_buffers` (`own_slots`) | initial values drawn on the CPU for any device | 2.11–2.15 |
+| FSDP2's unsharded tensors (`fsdp_unsharded`) | the memory plan names gathered compute copies and gradients before their reduction | a module's param groups: `_fsdp_param_group` (2.11), `_fsdp_param_groups` (2.12+); each param's `all_gather_outputs`, `_unsharded_param.grad`, and its reduce-dtype sums `unsharded_accumulated_grad` (a field up to 2.14; 2.15 accumulates in the unsharded grad) |
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ __all__ = [
     "RECV_B", "RECV_F", "REDUCE_GRAD", "RESHARD", "RELEASE", "SEND_B", "SEND_F", "STAGE_METADATA", "SUPPORTED",
     "UNSHARD", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "_Action", "_ComputationType", "_abort_process_group",
     "_flatten_dense_tensors", "_foreach_add_", "_foreach_sub_", "_unflatten_dense_tensors", "_add_unshard_reshard", "_adjust_lr", "_format_pipeline_order", "_set_pg_timeout",
-    "_validate_schedule", "fake_impls", "fake_store", "forget_forward", "local_shard", "own_slots", "prepare_stages", "receive_buffers",
+    "_validate_schedule", "fake_impls", "fake_store", "forget_forward", "fsdp_unsharded", "local_shard", "own_slots", "prepare_stages", "receive_buffers",
     "release_of", "tree_flatten", "unset_fake_temporarily",
 ]
 
@@ -136,6 +137,28 @@ def receive_buffers(stage) -> list[torch.Tensor]:
     """The P2P receive buffers `stage` holds now (activations and gradients, every chunk)."""
     infos = [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]
     return [b for group in infos for info in group if isinstance(b := getattr(info, "buffer", None), torch.Tensor)]
+
+
+def fsdp_unsharded(modules) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """FSDP2's unsharded tensors under `modules` that hold memory now: the gathered compute copies of
+    the parameters, and their gradients before the reduction (with the sums kept across microbatches)."""
+    copies, grads = [], []
+    for module in modules:
+        for sub in module.modules():
+            state = sub._get_fsdp_state() if hasattr(sub, "_get_fsdp_state") else None
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # 2.11: one group per module
+                groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+            for param in (p for group in groups for p in group.fsdp_params):
+                copies += param.all_gather_outputs
+                unsharded = getattr(param, "_unsharded_param", None)
+                grads += [getattr(unsharded, "grad", None), param.__dict__.get("unsharded_accumulated_grad")]
+    return [t for t in copies if _allocated(t)], [t for t in grads if _allocated(t)]
+
+
+def _allocated(tensor) -> bool:
+    """A tensor whose storage holds memory (FSDP frees a gathered copy by resizing its storage to 0)."""
+    return isinstance(tensor, torch.Tensor) and local_shard(tensor).untyped_storage().nbytes() > 0
 
 
 def own_slots(module: torch.nn.Module) -> tuple[dict, dict]:

@@ -185,4 +185,4 @@ class Executor:
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This rank's tensors by kind of state (memory.held_tensors: memory.py counts them, planning
         labels them)."""
-        return held_tensors(self.params, self.updaters, self.versioned, self.torch_stages())
+        return held_tensors(self.params, self.updaters, self.versioned, self.torch_stages(), self.modules)

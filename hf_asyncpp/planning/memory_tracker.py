@@ -5,7 +5,9 @@ sizes but no memory) and followed until it is freed. The allocations and frees f
 is a point in that log, and the storages live there are named afterwards by what they were labelled
 while they lived (`label`: master weights, weight versions, gradients, optimizer state, ...). Storages
 never labelled are what the microbatches held between operators ("activation": created during a
-forward) or what an operator needed for itself ("temporary": created anywhere else).
+forward) or what an operator needed for itself ("temporary": created anywhere else). Each storage
+remembers the operator that created it, so the temporaries at the peak are named by operator
+(`peak_temporaries`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class MemoryTracker(TorchDispatchMode):
         self._bytes: dict[int, int] = {}  # id → bytes
         self._label: dict[int, str] = {}  # id → kind, last labelled
         self._born_in_forward: set[int] = set()
+        self._made_by: dict[int, str] = {}  # id → the operator that created it
+        self._op = "tracked"  # the operator running now (tensors made before the tracker: "tracked")
         self._log: list[int] = []  # +id allocated, -id freed (ids start at 1)
         self.live_bytes = self.peak_bytes = 0
         self._peak_at = 0  # log length at the peak
@@ -52,6 +56,7 @@ class MemoryTracker(TorchDispatchMode):
         sid = len(self._bytes) + 1
         self._ids[storage] = sid
         self._bytes[sid] = storage.nbytes()
+        self._made_by[sid] = self._op
         if self.in_forward:
             self._born_in_forward.add(sid)
         self._log.append(sid)
@@ -67,9 +72,11 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._op = str(func.overloadpacket)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._storage_id(t)
+        self._op = "tracked"
         return out
 
     def track(self, tensors: Iterable[torch.Tensor], kind: str | None = None) -> None:
@@ -83,16 +90,29 @@ class MemoryTracker(TorchDispatchMode):
 
     # --- the peak ---------------------------------------------------------------------------------
 
-    def peak_parts(self) -> dict[str, int]:
-        """{kind: bytes} of the storages live at the peak."""
+    def _live_at_peak(self) -> set[int]:
         live: set[int] = set()
         for event in self._log[: self._peak_at]:
             if event > 0:
                 live.add(event)
             else:
                 live.discard(-event)
+        return live
+
+    def _kind(self, sid: int) -> str:
+        return self._label.get(sid) or ("activation" if sid in self._born_in_forward else "temporary")
+
+    def peak_parts(self) -> dict[str, int]:
+        """{kind: bytes} of the storages live at the peak."""
         parts: dict[str, int] = {}
-        for sid in live:
-            kind = self._label.get(sid) or ("activation" if sid in self._born_in_forward else "temporary")
-            parts[kind] = parts.get(kind, 0) + self._bytes[sid]
+        for sid in self._live_at_peak():
+            parts[self._kind(sid)] = parts.get(self._kind(sid), 0) + self._bytes[sid]
         return parts
+
+    def peak_temporaries(self) -> dict[str, int]:
+        """{operator: bytes} of the temporaries live at the peak, largest first."""
+        by_op: dict[str, int] = {}
+        for sid in self._live_at_peak():
+            if self._kind(sid) == "temporary":
+                by_op[self._made_by[sid]] = by_op.get(self._made_by[sid], 0) + self._bytes[sid]
+        return dict(sorted(by_op.items(), key=lambda item: -item[1]))

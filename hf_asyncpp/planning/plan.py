@@ -30,8 +30,8 @@ from collections import Counter
 from .host_reads import HostReads, in_microbatch
 from .memory_tracker import MemoryTracker
 
-__all__ = ["ALLOWANCE", "KINDS", "allowance", "label_state", "overshoot", "plan_layout", "plan_rank", "planned_config",
-           "table"]
+__all__ = ["ALLOWANCE", "KINDS", "allowance", "label_state", "named_temporaries", "overshoot", "plan_layout", "plan_rank",
+           "planned_config", "table"]
 
 # What a GPU rank holds beyond its tensors (GiB, or a share of the rank's peak). The CUDA context with
 # every module of torch's kernels loaded at start-up (CUDA_MODULE_LOADING=EAGER: parallel/launch.py):
@@ -112,6 +112,7 @@ def plan_rank(config, model_config, world_size: int, rank: int) -> dict:
             "rank": rank, "pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "stages": engine.executor.stage_ids,
             "peak_bytes": tracker.peak_bytes,
             **{f"{kind}_bytes": parts.get(kind, 0) for kind in KINDS},
+            "temporary_bytes_by_operator": tracker.peak_temporaries(),
             "syncs_per_step": max(len(s) for s in steady),
             # inside a microbatch's forward, backward or loss (m of them a step)
             "syncs_per_microbatch": max(sum(in_microbatch(r.stack) for r in s) for s in steady) / m,
@@ -173,6 +174,18 @@ def overshoot(ranks: list[dict], gpu_memory_gib: float, allowance_gib: float | N
     return (f"rank {worst['rank']} (pp rank {worst['pp_rank']}, stages {worst['stages']}) peaks at "
             f"{worst['peak_bytes'] / GiB:.1f} GiB, {over:.1f} GiB over a {gpu_memory_gib:g} GiB GPU after "
             f"{kept(worst):.1f} GiB kept for what the plan cannot see{parts}")
+
+
+def named_temporaries(ranks: list[dict], shown: int = 3) -> list[str]:
+    """One line per pipeline rank: the operators whose outputs make up its "temporary" column at the
+    peak, largest first (what is neither labelled state nor a forward's activations)."""
+    lines = []
+    for r in (r for r in ranks if r["dp_rank"] == 0):
+        top = list(r["temporary_bytes_by_operator"].items())[:shown]
+        if top:
+            lines.append(f"pp rank {r['pp_rank']} temporaries at its peak: "
+                         + ", ".join(f"{op} {size / GiB:.2f}" for op, size in top) + " GiB")
+    return lines
 
 
 def table(ranks: list[dict]) -> str:

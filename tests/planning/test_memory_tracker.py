@@ -26,6 +26,20 @@ def test_the_peak_is_the_most_bytes_live_at_once_and_its_parts_are_what_was_live
     del view
 
 
+def test_the_temporaries_at_the_peak_are_named_by_the_operator_that_made_them():
+    weights = torch.ones(MiB // 4)
+    tracker = MemoryTracker()
+    with tracker:
+        tracker.track([weights], "parameters")
+        doubled = weights * 2  # 1 MiB by aten.mul
+        stacked = torch.cat([weights, weights, weights])  # 3 MiB by aten.cat: the peak is 5 MiB here
+        del stacked
+        copied = weights.clone()  # 1 MiB by aten.clone, after the peak
+    assert tracker.peak_temporaries() == {"aten.cat": 3 * MiB, "aten.mul": MiB}  # largest first
+    assert list(tracker.peak_temporaries()) == ["aten.cat", "aten.mul"]
+    del doubled, copied
+
+
 def test_forward_allocations_count_as_activations_and_tensors_made_before_can_be_tracked():
     made_before = torch.ones(MiB // 4)
     tracker = MemoryTracker()

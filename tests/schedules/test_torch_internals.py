@@ -427,3 +427,27 @@ def test_module_slots_fake_tensors_and_the_grouped_mm_op():
     assert local_shard(plain) is plain
     with FakeTensorMode():
         assert isinstance(torch.empty(2), FakeTensor)
+
+
+def test_fsdp_s_unsharded_copies_and_gradient_sums_are_found_while_they_hold_memory(one_rank_fake_group):
+    """fsdp_unsharded finds FSDP2's gathered compute copies while a module is unsharded (none once it is
+    resharded), and its unsharded gradients kept across microbatches before their reduction: the
+    reduce-dtype sums up to 2.14, the unsharded grad on 2.15 (param groups: one per module on 2.11, a
+    list from 2.12)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    one_rank_fake_group(1, 0)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    fully_shard(module, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False,
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert torch_internals.fsdp_unsharded([module]) == ([], [])
+    module.set_requires_gradient_sync(False)  # microbatches accumulate; the reduction waits for the last
+    output = module(torch.randn(3, 4))
+    copies, grads = torch_internals.fsdp_unsharded([module])
+    assert sum(c.numel() for c in copies) == sum(p.numel() for p in module.parameters()) and not grads
+    assert all(c.dtype == torch.bfloat16 for c in copies)
+    output.float().sum().backward()  # then resharded (FSDP's default after a backward)
+    copies, grads = torch_internals.fsdp_unsharded([module])
+    assert not copies and sorted(g.numel() for g in grads) == sorted(p.numel() for p in module.parameters())
