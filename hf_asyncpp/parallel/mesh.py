@@ -222,14 +222,15 @@ def start_communicators(layout: ParallelLayout, rank_pairs: list[tuple[int, int]
     direction on every group the pipeline's messages take, and the default group's device is bound
     at init_parallel, so no communicator is made or connected mid-run.
 
-    One order on every rank: the groups by kind (I/O, default, pp, dp, evaluation, norm, I/O pp),
+    One order on every rank: the groups by kind (I/O, default, pp, dp, evaluation, norm, I/O pp, checkpoint),
     then the pairs of neighbours in the global order of their ranks. Groups of one kind are
     disjoint, and a rank waits on a pair only once every earlier pair of its own is done: no rank
     can wait on a peer that waits on something later."""
     links = link_groups(layout, rank_pairs, asynchronous) if rank_pairs else {}
     device, cpu = layout.device, torch.device("cpu")
     groups = [(layout.io_group, cpu), (dist.group.WORLD, device), (layout.pp_group, device), (layout.dp_group, device),
-              (layout.eval_pp_group, device), (layout.norm_pp_group, device), (layout.io_pp_group, cpu)]
+              (layout.eval_pp_group, device), (layout.norm_pp_group, device), (layout.io_pp_group, cpu),
+              (layout.checkpoint_group, cpu)]
     for group, on in groups:
         if group is not None:
             dist.all_reduce(torch.zeros(1, device=on), group=group)
