@@ -12,10 +12,11 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-_USAGE = """usage: hf-asyncpp <command> [args]
+_USAGE = """usage: hf-asyncpp <command> [args]   (hf-asyncpp --version; options take dashes or underscores)
 
 commands:
-  train [--config FILE] [--key value ...]   train (launch under torchrun / accelerate for pp > 1);
+  train [CONFIG | --config FILE] [--key value ...]
+                                            train (launch under torchrun / accelerate for pp > 1);
                                             train --help lists every config key
   export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16]
                                             a training checkpoint (any pp × dp layout) as an HF model
@@ -39,7 +40,7 @@ commands:
                                             the gap against tokens per parameter from studies of
                                             different model sizes on the same data (their results.json)
   schedules [--pp N] [--microbatches M]     show every registered schedule's per-rank action lists
-  plan CONFIG [--key value ...] [--world-size N] [--gpu-memory-gib G] [--allowance-gib A] [--json FILE]
+  plan CONFIG | --config CONFIG [--key value ...] [--world-size N] [--gpu-memory-gib G] [--allowance-gib A] [--json FILE]
                                             each rank's peak device memory and its parts, played on
                                             fake tensors through start-up and three steps at the
                                             config's real size; exits 1 naming the rank that does
@@ -54,6 +55,19 @@ commands:
 """
 
 
+def _parse(parser, argv: list[str], known: bool = False):
+    """`parser`'s arguments from `argv`, each option taken spelled with dashes or underscores alike
+    (`--world-size`, `--world_size`)."""
+    spelled = {option.replace("_", "-"): option for action in parser._actions for option in action.option_strings}
+    tokens = []
+    for token in argv:
+        key, eq, value = token.partition("=")
+        if key.startswith("--"):
+            key = spelled.get(key.replace("_", "-"), key)
+        tokens.append(f"{key}{eq}{value}")
+    return parser.parse_known_args(tokens) if known else parser.parse_args(tokens)
+
+
 def _push(argv: list[str]) -> int:
     import argparse
 
@@ -64,7 +78,7 @@ def _push(argv: list[str]) -> int:
     parser.add_argument("repo_id")
     parser.add_argument("--private", action="store_true")
     parser.add_argument("--revision", help="the branch to upload to (created if missing; default: main)")
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         url = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision)
     except Exception as err:  # network, auth, server: one line, local files untouched
@@ -86,7 +100,7 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "float32", "bfloat16"],
                         help="the weights' dtype (default: the run's export_dtype)")
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     name = Path(args.out_dir).name
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype,
@@ -108,7 +122,7 @@ def _plot(argv: list[str]) -> int:
     parser.add_argument("--out", default=None,
                         help="PNG to write (default: RUN_DIR/loss_curves.png, or ./loss_comparison.png for several)")
     parser.add_argument("--x", choices=X_AXES, default="step")
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         if len(args.run_dirs) == 1:
             path = write_loss_curves(args.run_dirs[0], args.out, x=args.x)
@@ -131,7 +145,7 @@ def _show_schedules(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hf-asyncpp schedules")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     for spec in SCHEDULES.values():
         print(f"== {spec.name}: {spec.description}")
         try:
@@ -159,7 +173,7 @@ def _prepare_data(argv: list[str]) -> int:
     parser.add_argument("--dataset_revision")
     parser.add_argument("--num_proc", type=int, default=1, help="processes tokenizing the source's files in parallel")
     parser.add_argument("--max_tokens", type=lambda s: int(float(s)), help="keep only the first N tokens (e.g. 41e9)")
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         manifest = prepare_data(args.source, args.out_dir, args.tokenizer, args.seq_len, args.text_column,
                                 args.blocks_per_shard, args.dataset_config_name, args.dataset_split,
@@ -181,21 +195,26 @@ def _plan(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp plan", description="each rank's peak device memory, "
                                      "played on fake tensors at the config's real size")
-    parser.add_argument("config")
+    parser.add_argument("config", nargs="?", help="the run's YAML config (or --config FILE)")
+    parser.add_argument("--config", dest="config_option", metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, help="ranks in all (pp_size × dp); default pp_size")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
     parser.add_argument("--allowance-gib", type=float, help="kept free on every rank for what the plan cannot see "
                         "(default: each rank's own: CUDA context, workspaces, NCCL per communicator, fragmentation)")
     parser.add_argument("--json", dest="json_path", help="write every rank's plan here")
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = _parse(parser, argv, known=True)
+    args.config = args.config_option or args.config
+    if args.config is None:
+        parser.error("a config file is needed: hf-asyncpp plan CONFIG.yaml")
     try:
         config = load_config(args.config, overrides)
         world_size = args.world_size or config.pp_size
         if world_size % config.pp_size:
             raise ConfigError(f"--world-size {world_size} is not a multiple of pp_size {config.pp_size}")
-        from .models.presets import build_config
+        from .config_checks import build_model_config, fit_global_batch
 
-        model_config = build_config(config.model_config)
+        fit_global_batch(config, world_size)
+        model_config = build_model_config(config)  # the model the run builds, init_from's and overrides included
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -215,16 +234,24 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+COMMANDS = ("train", "export", "push", "plot", "study", "schedules", "plan", "prepare-data")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(f"hf-asyncpp {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
         from .run import main as train_main
 
-        return train_main(rest)
+        return train_main(rest, prog="hf-asyncpp train")
     if command == "schedules":
         return _show_schedules(rest)
     if command == "push":
@@ -241,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         return _prepare_data(rest)
     if command == "plan":
         return _plan(rest)
-    print(f"unknown command '{command}'\n{_USAGE}", file=sys.stderr)
+    import difflib
+
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    print(f"error: unknown command '{command}'" + (f" (did you mean {close[0]}?)" if close else "")
+          + f"; commands: {', '.join(COMMANDS)} (hf-asyncpp --help)", file=sys.stderr)
     return 2
 
 

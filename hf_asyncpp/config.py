@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import types
 import typing
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "ExportConfig", "FailureConfig", "ModelConfig",
-           "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig", "config_from_values", "load_config"]
+__all__ = ["ALIASES", "SECTIONS", "TRAINER_OPTIMIZERS", "CheckpointConfig", "ConfigError", "DataConfig", "ExportConfig",
+           "FailureConfig", "ModelConfig", "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig",
+           "config_from_values", "load_config"]
 
 
 class ConfigError(ValueError):
@@ -36,10 +38,14 @@ class ModelConfig:
     """The model to build: its architecture, its starting weights, its routing."""
 
     model_config: str = _key("tiny-moe", "a preset (`hf_asyncpp.PRESETS`: tiny-moe, tiny-mixtral, tiny-llama, …), an "
-                             "HF config.json, or a model directory")
+                             "HF config.json, a model directory or, with the Hub reachable, a model id; unused "
+                             "with init_from, whose config is the model's")
     init_from: str | None = _key(None, "an HF model directory (e.g. an earlier run's final/) or, with the Hub reachable, "
                                  "a model id, whose weights start the run; random init seeded by `seed` otherwise")
-    attn_implementation: str | None = _key(None, "sdpa or eager; none keeps the model's default")
+    config_overrides: str | None = _key(None, "fields of the model's config changed, as transformers' examples take "
+                                        "them: `num_hidden_layers=8,rope_theta=1e6` (not with init_from)")
+    attn_implementation: str | None = _key(None, "eager, sdpa, flex_attention, flash_attention_2 or flash_attention_3 "
+                                           "(their packages installed); none keeps the model's default")
     router_aux_loss_coef: float | None = _key(None, "weight of the load-balancing loss in the objective; none keeps "
                                               "the model config's")
     router_bias_update_rate: float = _key(0.001, "DeepSeek-V3 routing-bias step γ: after each step every bias moves "
@@ -61,7 +67,9 @@ class DataConfig:
     text_column: str = _key("text", "the column holding text in json/parquet sources")
     preprocessing_num_workers: int | None = _key(None, "processes tokenizing a map-style dataset (cached on disk; "
                                                  "none: one)")
-    tokenizer: str = _key("builtin", "`builtin` (the shipped ByteLevel BPE, 8192 tokens) or an HF tokenizer directory")
+    tokenizer: str | None = _key(None, "the model's by default (init_from's, else model_config's directory or Hub id; "
+                                 "the built-in presets': `builtin`, the shipped ByteLevel BPE of 8192 tokens); or "
+                                 "`builtin`, an HF tokenizer directory, a Hub id")
     seq_len: int = _key(128, "tokens per sample")
     shuffle: bool = _key(True, "permute the blocks (seeded, once per epoch); false reads them in file order")
     shuffle_window: int = _key(10_000, "a shuffled stream permutes its documents this many at a time (a resume "
@@ -82,6 +90,8 @@ class PipelineConfig:
                          "(asynchronous; see docs/schedules.md)")
     micro_batch_size: int = _key(8, "samples per microbatch")
     n_microbatches: int = _key(4, "microbatches per optimizer step on each dp rank; the step's loss is their mean")
+    global_batch_size: int | None = _key(None, "sequences per optimizer step, all dp ranks together; sets n_microbatches "
+                                         "to it / (micro_batch_size × dp), so a launch on more GPUs keeps the batch")
     stage_balance: str = _key("compute", "how layers are split: compute (parameters a token touches), params "
                               "(stored parameters) or layers (equal counts)")
     stage_boundaries: list[int] | None = _key(None, "explicit split: the first layer of each stage after the first, "
@@ -189,6 +199,9 @@ class CheckpointConfig:
     save_total_limit: int | None = _key(None, "keep only the newest N checkpoints")
     resume_from_checkpoint: str | None = _key(None, "a checkpoint directory, or `latest` in output_dir (a fresh start "
                                               "while there is none)")
+    checkpoint_hf_weights: bool = _key(True, "write each checkpoint's weights as HF safetensors beside its state (in "
+                                       "export_dtype, by rank 0 from the saved files), so from_pretrained loads it; "
+                                       "false: a note names the export command")
     checkpoint_async: bool = _key(True, "write checkpoints in the background from a host copy of the state, while "
                                   "training goes on (false: training waits for the files and their checksums)")
     save_before_time_limit: bool = _key(True, "with the job's end time known (SLURM_JOB_END_TIME), save and stop at "
@@ -240,6 +253,14 @@ def _base_type(annotation) -> tuple[type, bool, type | None]:
     return hint, optional, None
 
 
+def _parse_bool(value) -> bool:
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(value)
+        return value.lower() in ("true", "1", "yes")
+    return bool(value)
+
+
 def _coerce(key: str, value):
     kind, optional, item = _base_type(key)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
@@ -248,11 +269,7 @@ def _coerce(key: str, value):
         return None
     try:
         if kind is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(value)
-                return value.lower() in ("true", "1", "yes")
-            return bool(value)
+            return _parse_bool(value)
         if kind is dict:
             value = yaml.safe_load(value) if isinstance(value, str) else value
             if not isinstance(value, dict):
@@ -290,25 +307,115 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML file (optional) and apply `--key value` / `--key=value` overrides."""
-    values = _read_yaml(path) if path is not None else {}
-    tokens = list(overrides or [])
+    # Each source under this project's names first: an override replaces the file's setting whatever its name.
+    values = _our_names(_read_yaml(path) if path is not None else {})
+    given = _our_names(_parse_overrides(list(overrides or [])))
+    # A batch size on the command line replaces the file's: global_batch_size and n_microbatches are one setting.
+    for one, other in (("global_batch_size", "n_microbatches"), ("n_microbatches", "global_batch_size")):
+        if one in given:
+            values.pop(other, None)
+    return config_from_values({**values, **given})
+
+
+def _parse_overrides(tokens: list[str]) -> dict:
+    """`--key value`, `--key=value`; a boolean key alone (`--ef`: true) or negated (`--no-ef`: false)."""
+    values = {}
     while tokens:
         token = tokens.pop(0)
         if not token.startswith("--"):
             raise ConfigError(f"expected --key value, got '{token}'")
         key, eq, value = token[2:].partition("=")
+        key = key.replace("-", "_")
         if not eq:
-            if not tokens:
+            if key.startswith("no_") and key[3:] in _FIELDS and _base_type(key[3:])[0] is bool:
+                key, value = key[3:], "false"
+            elif key in _FIELDS and _base_type(key)[0] is bool and (not tokens or tokens[0].startswith("--")):
+                value = "true"
+            elif not tokens:
                 raise ConfigError(f"override --{key} has no value")
-            value = tokens.pop(0)
-        values[key.replace("-", "_")] = value
-    return config_from_values(values)
+            else:
+                value = tokens.pop(0)
+        values[key] = value
+    return values
+
+
+# transformers' Trainer optimizer names the pipeline takes, and which of its optimizers each is.
+TRAINER_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd", "lion_32bit": "lion"}
+
+
+def _trainer_optimizer(name: str) -> str:
+    if name in TRAINER_OPTIMIZERS.values():
+        return name
+    if name not in TRAINER_OPTIMIZERS:
+        raise ConfigError(f"optim {name!r} is not supported: use one of {', '.join(TRAINER_OPTIMIZERS)} or set "
+                          "optimizer (adamw, muon, soap, lion, sgd)")
+    return TRAINER_OPTIMIZERS[name]
+
+
+# TrainingArguments' names of settings both have: {its name: (the key here, its value as this key's)}.
+# YAML files and --key overrides take either; the Trainer front end maps its own arguments the same way.
+ALIASES = {
+    "per_device_train_batch_size": ("micro_batch_size", None),
+    "gradient_accumulation_steps": ("n_microbatches", None),  # each microbatch one accumulation step
+    "optim": ("optimizer", _trainer_optimizer),
+    "adam_beta1": ("momentum", None),
+    "adam_beta2": ("beta2", None),
+    "bf16": ("mixed_precision", lambda value: "bf16" if _parse_bool(value) else "no"),
+    "warmup_ratio": ("warmup_steps", None),  # a ratio below 1, made steps below
+}
+
+
+def _our_names(values: dict) -> dict:
+    """`values` under this project's keys: TrainingArguments' names translated (ALIASES); a setting given
+    under two names with different values is a ConfigError."""
+    ours, named = {}, {}
+    for key, value in values.items():
+        target, convert = ALIASES.get(key, (key, None))
+        value = convert(value) if convert is not None and value is not None else value
+        if target in ours and str(ours[target]) != str(value):
+            raise ConfigError(f"{named[target]} ({ours[target]}) and {key} ({value}) set one setting to two values: "
+                              "give one")
+        ours[target], named[target] = value, key
+    return ours
+
+
+def _warmup_ratio_as_steps(ours: dict) -> dict:
+    """A warm-up given as a ratio of max_steps (below 1, as Trainer takes it), made steps."""
+    warmup = ours.get("warmup_steps")
+    if warmup is not None and not isinstance(warmup, bool):
+        try:
+            ratio = float(warmup)
+        except (TypeError, ValueError):
+            ratio = None
+        if ratio is not None and 0 < ratio < 1:
+            max_steps = int(ours.get("max_steps", _FIELDS["max_steps"].default))
+            ours["warmup_steps"] = math.ceil(ratio * max_steps)  # transformers' get_warmup_steps
+    return ours
+
+
+# mixed_precision as export_dtype and torch spell the dtypes, besides its own names.
+_PRECISION_SPELLINGS = {"bfloat16": "bf16", "float32": "no", "fp32": "no"}
 
 
 def config_from_values(values: dict) -> TrainConfig:
-    """A TrainConfig from key → value (strings or typed values); ConfigError for an unknown key or a
-    value of the wrong type. Every front end builds its config through here."""
+    """A TrainConfig from key → value (strings or typed values), under this project's names or
+    TrainingArguments' (ALIASES); ConfigError for an unknown key or a value of the wrong type. Every
+    front end builds its config through here."""
+    values = _warmup_ratio_as_steps(_our_names(values))
+    if isinstance(values.get("mixed_precision"), str):
+        values["mixed_precision"] = _PRECISION_SPELLINGS.get(values["mixed_precision"], values["mixed_precision"])
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known keys: {', '.join(_FIELDS)}")
+        raise ConfigError("unknown config key(s): " + "; ".join(_with_suggestion(key) for key in unknown)
+                          + " (`train.py --help` lists every key)")
+    if "global_batch_size" in values and "n_microbatches" in values:
+        raise ConfigError("global_batch_size and n_microbatches are both set: give one (global_batch_size sets "
+                          "n_microbatches from micro_batch_size and the dp size)")
     return TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def _with_suggestion(key: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, _FIELDS, n=3, cutoff=0.75)
+    return f"{key} (did you mean {' or '.join(close)}?)" if close else key

@@ -6,6 +6,7 @@ paths, the schedule's action lists, the launcher's settings): `validate_config` 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 
@@ -16,7 +17,7 @@ from .models.recompute import CHECKPOINTING_MODES
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
 
 __all__ = ["OPTIMIZERS", "apply_launch_settings", "check_model_fits", "check_settings", "check_step_boundaries",
-           "fit_to_one_process", "validate_config"]
+           "build_model_config", "config_overrides", "fit_global_batch", "fit_to_one_process", "validate_config"]
 
 logger = get_logger(__name__)
 
@@ -110,9 +111,21 @@ def _at_least_one(config, *keys: str) -> None:
         _require(getattr(config, key) >= 1, f"{key} must be at least 1, got {getattr(config, key)}")
 
 
+# transformers' attention implementations, with the package each needs beyond torch.
+ATTENTION_PACKAGES = {"eager": None, "sdpa": None, "flex_attention": None, "flash_attention_2": "flash_attn",
+                      "flash_attention_3": "flash_attn_interface"}
+
+
 def _check_model(config: ModelConfig) -> None:
     _require(config.router_bias_update_rate >= 0,
              f"router_bias_update_rate must be >= 0, got {config.router_bias_update_rate}")
+    attention = config.attn_implementation
+    if attention is not None:
+        _require(attention in ATTENTION_PACKAGES, f"unknown attn_implementation '{attention}'; choose from "
+                 f"{', '.join(ATTENTION_PACKAGES)}")
+        package = ATTENTION_PACKAGES[attention]
+        _require(package is None or importlib.util.find_spec(package) is not None,
+                 f"attn_implementation {attention} needs the {package} package, which is not installed here")
 
 
 def _check_data(config: DataConfig) -> None:
@@ -343,29 +356,73 @@ def _global_clipping_slowdown(schedule, depth: int, n_microbatches: int) -> floa
     return clipped / unclipped
 
 
-def validate_config(config: TrainConfig, world_size: int):
-    """Check everything before a process group exists. Returns the HF model config to build."""
-    from .data import check_dataset_source, check_tokenizer_source, hub_offline
+def fit_global_batch(config: TrainConfig, world_size: int) -> None:
+    """global_batch_size (sequences per optimizer step, all dp ranks) sets n_microbatches to
+    global_batch_size / (micro_batch_size × dp); a batch that does not divide is refused."""
+    if config.global_batch_size is None or world_size % config.pp_size:  # an indivisible world: check_settings says so
+        return
+    dp = world_size // config.pp_size
+    per_microbatch = config.micro_batch_size * dp
+    _require(config.global_batch_size >= per_microbatch and config.global_batch_size % per_microbatch == 0,
+             f"global_batch_size {config.global_batch_size} is not a multiple of micro_batch_size "
+             f"{config.micro_batch_size} × dp {dp} = {per_microbatch} sequences: choose a multiple, or another "
+             "micro_batch_size")
+    config.n_microbatches = config.global_batch_size // per_microbatch
+
+
+def config_overrides(text: str | None) -> dict:
+    """`config_overrides` as {field: value}: `key=value` pairs separated by commas, as transformers'
+    examples take them (`num_hidden_layers=8,rope_theta=1e6`); values read as YAML scalars."""
+    import yaml
+
+    overrides = {}
+    for pair in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, eq, value = pair.partition("=")
+        _require(eq and key.strip(), f"config_overrides: '{pair}' is not key=value")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return overrides
+
+
+def build_model_config(config: TrainConfig):
+    """The HF config of the model a run builds: init_from's or model_config's, with the run's own settings
+    of it (attention, aux-loss weight) and `config_overrides`, whose fields must be the model's."""
     from .models import UnsupportedModelError, family_for
     from .models.presets import build_config
 
-    check_settings(config, world_size)
-    overrides = {}
-    if config.attn_implementation:
-        overrides["attn_implementation"] = config.attn_implementation
-    if config.router_aux_loss_coef is not None:
-        overrides["router_aux_loss_coef"] = config.router_aux_loss_coef
+    overrides = config_overrides(config.config_overrides)
+    _require(not overrides or config.init_from is None, "config_overrides changes the architecture init_from's "
+             "weights were trained for: use one or the other (as transformers' run_clm does)")
     source = config.init_from or config.model_config
+    try:
+        unknown = sorted(set(overrides) - set(build_config(source).to_dict())) if overrides else []
+        _require(not unknown, f"config_overrides: {', '.join(unknown)} is not a field of {source}'s config")
+        if config.attn_implementation:
+            overrides["attn_implementation"] = config.attn_implementation
+        if config.router_aux_loss_coef is not None:
+            overrides["router_aux_loss_coef"] = config.router_aux_loss_coef
+        model_config = build_config(source, **overrides)
+        family_for(model_config)
+    except (FileNotFoundError, UnsupportedModelError, ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
+    return model_config
+
+
+def validate_config(config: TrainConfig, world_size: int):
+    """Check everything before a process group exists. Returns the HF model config to build."""
+    from .data import check_dataset_source, check_tokenizer_source, hub_offline, model_tokenizer_source
+    from .models.presets import PRESETS
+
+    fit_global_batch(config, world_size)
+    check_settings(config, world_size)
     if config.init_from is not None:
         offline = hub_offline()
         _require(os.path.isdir(config.init_from) or (not offline and "/" in config.init_from),
                  f"init_from '{config.init_from}' is not a model directory"
                  + (" (the Hub is offline: HF_HUB_OFFLINE is set)" if offline else ""))
-    try:
-        model_config = build_config(source, **overrides)
-        family_for(model_config)
-    except (FileNotFoundError, UnsupportedModelError, ValueError, OSError) as err:
-        raise ConfigError(str(err)) from None
+    model_config = build_model_config(config)
+    if config.init_from is not None and config.model_config != TrainConfig.model_config:
+        logger.warning(f"model_config {config.model_config} is not used: the model is init_from's "
+                       f"({config.init_from}), config included")
 
     check_model_fits(config, model_config)
     try:
@@ -373,6 +430,8 @@ def validate_config(config: TrainConfig, world_size: int):
         if config.eval_dataset is not None:
             check_dataset_source(config.eval_dataset, key="eval_dataset", seq_len=config.seq_len,
                                  vocab_size=model_config.vocab_size)
+        # Decided once, here: every later reader (the run, its checkpoints, the export) sees the tokenizer used.
+        config.tokenizer = model_tokenizer_source(config.tokenizer, config.init_from, config.model_config, PRESETS)
         check_tokenizer_source(config.tokenizer, model_config.vocab_size)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .config import SECTIONS
+from .config import ALIASES, SECTIONS, TRAINER_OPTIMIZERS
 
 __all__ = ["BEGIN_MARKER", "END_MARKER", "keys_help", "keys_reference", "update_reference"]
 
@@ -62,6 +62,15 @@ def keys_reference() -> str:
         rows = [f"| `{f.name}` | {_type(f)} | `{_default(f)}` | {f.metadata['help'].replace('|', chr(92) + '|')} |"
                 for f in fields]
         parts.append("\n".join([f"### {section}", "", "| key | type | default | meaning |", "|---|---|---|---|", *rows]))
+    aliases = [f"| `{name}` | `{key}` |" for name, (key, _) in ALIASES.items()]
+    parts.append("\n".join(["### TrainingArguments' names", "",
+                             "YAML files and `--key` overrides also take transformers' `TrainingArguments` names for "
+                             "the settings both have. A setting given under both names must have one value; on "
+                             "the command line, either name replaces the file's. `optim` takes "
+                             + ", ".join(f"`{name}`" for name in TRAINER_OPTIMIZERS) + "; `bf16: true` is "
+                             "`mixed_precision: bf16`; a `warmup_ratio`, or a `warmup_steps` below 1, is that "
+                             "share of max_steps (rounded up, as Trainer does).", "",
+                             "| TrainingArguments | here |", "|---|---|", *aliases]))
     return "\n\n".join(parts)
 
 

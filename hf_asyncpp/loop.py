@@ -22,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .console import step_line
 from .log import get_logger
 from .profiling import profiled_step
 from .resilience import LocalFailure, PeerLostError, RunFailure
@@ -127,18 +129,6 @@ def step_record(result, tokens_seen: int, epoch: float, tokens_per_second: float
     }
 
 
-def _console(record: dict) -> dict[str, str]:
-    """The progress bar's figures of a logged record."""
-    shown = {"loss": f"{record['loss']:.3f}", "tok_s": f"{record['train_tokens_per_second']:.0f}"}
-    if record.get("mfu") is not None:
-        shown["mfu"] = f"{record['mfu']:.3f}"
-    elif "train_tflops_per_device" in record:
-        shown["tflops"] = f"{record['train_tflops_per_device']:.3g}"
-    if "max_memory_gib" in record:
-        shown["mem_gib"] = f"{record['max_memory_gib']:.2f}"
-    return shown
-
-
 def load_main_process_first(layout, load):
     """`load()` on rank 0 first, then on the others, which read the datasets cache rank 0 filled
     instead of racing to write it. A failure on any rank (a bad file, rows that do not fit) ends
@@ -183,7 +173,9 @@ class TrainingLoop:
         self.engine, self.data, self.tokenizer = engine, data, tokenizer
         self.hooks = hooks or LoopHooks(config)
         self.report_to = config.report_to if report_to is None else report_to
-        self.progress_bar = progress_bar and layout.is_main
+        # Drawn on a terminal only: redirected (a job's log file), a bar is one line of carriage returns.
+        self.progress_bar = progress_bar and layout.is_main and sys.stderr.isatty()
+        self._progress = None
         self.start_step, self.tokens_seen = 0, 0
         self.checkpoint_state: dict = {}  # what the checkpoint resumed from holds (pipeline_state.json)
         self.last_record: dict = {}
@@ -204,6 +196,7 @@ class TrainingLoop:
         self.time_limit = TimeLimit.from_environment() if config.save_before_time_limit and self._stops_cleanly() else None
         self._state_bytes: int | None = None  # this rank's checkpoint size, for the time limit before a save is timed
         self._time_limit_asked = False  # this rank asked for the stop, the job's end being near
+        self._said_saved: Path | None = None  # the checkpoint whose line was printed last
 
     def resume(self, resume_from: str) -> None:
         """Load a checkpoint (a directory, or "latest" in output_dir): the next step is the one after it.
@@ -236,17 +229,25 @@ class TrainingLoop:
         Returns the last logged record."""
         from tqdm.auto import tqdm
 
+        from .console import banner
+
         engine = self.engine
-        logger.info(f"{engine.spec.name}: pp={self.layout.pp_size} dp={self.layout.dp_size}; {engine.plan.describe()}")
+        if self.layout.is_main:
+            for line in banner(self.config, self.model_config, self.layout.dp_size, engine.spec.name,
+                               engine.plan.describe(), self.tokenizer):
+                logger.info(line)
         progress = tqdm(total=self.end_step, initial=self.start_step, disable=not self.progress_bar,
                         desc="train", unit="step")
+        self._progress = progress
         try:
             with self._termination_handled():
                 self._steps(self.start_step, progress)
-        except RunFailure as err:
-            if not isinstance(err, (LocalFailure, PeerLostError)):  # raised together: the save in flight can end
-                with contextlib.suppress(RunFailure):
+        except BaseException as err:
+            if isinstance(err, RunFailure) and not isinstance(err, (LocalFailure, PeerLostError)):
+                with contextlib.suppress(RunFailure):  # raised together: the save in flight can end
                     self.settle_checkpoint()
+            else:  # a lost peer (often still a bare gloo error here) or this rank's own failure
+                self.checkpoints.abandon(self.config.comm_timeout_s + 5)
             raise
         self.settle_checkpoint()
         engine.finish(wait_for_sends=self.terminated_at is None)
@@ -317,6 +318,8 @@ class TrainingLoop:
             if trace is not None and self.layout.is_main:
                 logger.info(f"step {step + 1} profiled: {trace.parent}/step{step + 1}_rank*.json (Chrome trace)")
             step = result.step
+            if (written := self.checkpoints.written()) is not None:
+                self._say_saved(written)
             if self.time_limit is not None:
                 self._watch_time_limit(result.step_time_s)
             self.tokens_seen += result.tokens
@@ -328,7 +331,7 @@ class TrainingLoop:
                 self.last_record = step_record(result, self.tokens_seen, self.data.epoch(step), tokens_per_second,
                                                engine.spec.name, self.utilization)
                 if self.layout.is_main:
-                    progress.set_postfix(_console(self.last_record))
+                    self._say(step_line(self.last_record, self.end_step))
                     self._publish(self.last_record)
                 self.hooks.on_log(self.last_record)
             if decision.evaluate and self.data.held_out is not None and step < self.end_step:  # the end evaluates anyway
@@ -346,6 +349,13 @@ class TrainingLoop:
                 self.end_step = engine.stop_after(step)
                 progress.total = self.end_step
 
+    def _say(self, line: str) -> None:
+        """A console line (main process), above the progress bar where one is drawn."""
+        if self._progress is not None and not self._progress.disable:
+            self._progress.write(f"[hf_asyncpp] {line}")
+        else:
+            logger.info(line)
+
     def _publish(self, record: dict) -> None:
         if self.writer is None:
             from .metrics import MetricsWriter
@@ -353,7 +363,8 @@ class TrainingLoop:
 
             out = Path(self.config.output_dir)
             self.writer = MetricsWriter(out, self.start_step if self.checkpoint_state else None)
-            self.reporters = Reporters(self.report_to, out / "runs", out.name, dataclasses.asdict(self.config))
+            self.reporters = Reporters(self.report_to, out / "runs", out.name, dataclasses.asdict(self.config),
+                                       run_ids=self.checkpoint_state.get("tracker_run_ids"))
         try:
             self.writer.write(record)
         except OSError as err:  # e.g. output_dir became read-only: say so instead of a traceback
@@ -366,9 +377,12 @@ class TrainingLoop:
         """Validation loss, aux loss and perplexity of the held-out blocks now (collective)."""
         from .evaluation import evaluate
 
+        from .console import eval_line
+
         results = {"step": step, **evaluate(self.engine, self.data.held_out, self.config.rows_per_step,
                                              self.layout.dp_rank, self.layout.dp_size)}
         if self.layout.is_main:
+            self._say(eval_line(results))
             self._publish(results)
         self.last_eval = results
         return results
@@ -385,11 +399,18 @@ class TrainingLoop:
                      "last_eval": self.last_eval, "data_description": self.data_description,
                      "started_from": self.started_from,
                      # the latest save's time, for the time-limit stop of the launch that resumes this one
-                     "save_seconds": last.total_s if last else self.checkpoint_state.get("save_seconds")}
+                     "save_seconds": last.total_s if last else self.checkpoint_state.get("save_seconds"),
+                     # the trackers' runs (W&B), which the launch that resumes this one continues
+                     "tracker_run_ids": (self.reporters.run_ids() if self.reporters is not None
+                                         else self.checkpoint_state.get("tracker_run_ids"))}
         trainer_state = dataclasses.asdict(self.hooks.trainer_state(self, step))
+        from .checkpoint.hf_export import export_dtype, size_limit
+
+        hf_weights = ((export_dtype(self.config.export_dtype), size_limit(self.config.max_shard_size))
+                      if self.config.checkpoint_hf_weights else None)
         path = self.checkpoints.save(self.engine, self.config.output_dir, step, run_state,
                                      self.config.save_total_limit, trainer_state, self.model_config, self.tokenizer,
-                                     data_position=self.data.sampler.position(step))
+                                     data_position=self.data.sampler.position(step), hf_weights=hf_weights)
         if not self.checkpoints.background:
             self.settle_checkpoint()
         return path
@@ -400,11 +421,17 @@ class TrainingLoop:
         done = self.checkpoints.wait()
         if done is None:
             return
-        timing = self.checkpoints.last
-        if self.layout.is_main:
-            logger.info(f"saved {done} ({timing.bytes / 2**30:.2f} GiB; training waited {timing.staging_s:.1f} s, "
-                        f"writing took {timing.writing_s:.1f} s)")
+        self._say_saved(done)
         self.hooks.on_save(done)
+
+    def _say_saved(self, path: Path) -> None:
+        """The checkpoint line, once per checkpoint (main process): when its write is seen complete
+        between steps, or at the latest when the run waits for it."""
+        if not self.layout.is_main or path == self._said_saved:
+            return
+        self._said_saved, timing = path, self.checkpoints.last
+        self._say(f"saved {path} ({timing.bytes / 2**30:.2f} GiB; training waited {timing.staging_s:.1f} s, "
+                  f"writing took {timing.writing_s:.1f} s)")
 
     def close(self) -> None:
         """Close the metrics file and trackers and draw the loss curves (main process)."""

@@ -112,11 +112,25 @@ def theoretical_bubble(pp_size: int, n_microbatches: int) -> float:
     return (pp_size - 1) / (n_microbatches + pp_size - 1)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, Number) and not isinstance(value, bool)
+
+
 def numeric_scalars(record: dict) -> dict:
-    """The numbers of a logged record without its `step`, as trackers and `Trainer.log` take them:
-    lists (per rank, per stage), strings, booleans and None stay in metrics.jsonl only."""
-    return {key: value for key, value in record.items()
-            if key != "step" and isinstance(value, Number) and not isinstance(value, bool)}
+    """The numbers of a logged record without its `step`, as trackers and `Trainer.log` take them. A
+    per-rank or per-stage list becomes one scalar per entry, named by it (`idle_fraction_per_rank` →
+    `idle_fraction_rank_0`, `idle_fraction_rank_1`, …): the project's own measurements reach the
+    trackers too. Strings, booleans and None stay in metrics.jsonl only."""
+    scalars = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if _is_number(value):
+            scalars[key] = value
+        elif isinstance(value, list) and (per := next((p for p in ("_per_rank", "_per_stage") if key.endswith(p)), None)):
+            name, unit = key[: -len(per)], per[len("_per_"):]
+            scalars.update({f"{name}_{unit}_{i}": v for i, v in enumerate(value) if _is_number(v)})
+    return scalars
 
 
 class MetricsWriter:

@@ -39,35 +39,47 @@ def check_report_to(report_to: list[str]) -> None:
 
 
 class Reporters:
-    """The trackers named in `report_to`, opened at construction; `log` sends one record to all of them."""
+    """The trackers named in `report_to`, opened at construction; `log` sends one record to all of them.
+    `run_ids`: the runs to continue ({tracker: id}, what `run_ids()` gave the run a checkpoint resumes),
+    so a job requeued from its checkpoint logs on in the same W&B run."""
 
-    def __init__(self, report_to: list[str], log_dir: str | Path, run_name: str, config: dict):
+    def __init__(self, report_to: list[str], log_dir: str | Path, run_name: str, config: dict,
+                 run_ids: dict | None = None):
         check_report_to(report_to)
         opener_by_name = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio}
         # dict.fromkeys: a tracker named twice is opened once, in the order given.
-        self._trackers = [opener_by_name[name](Path(log_dir), run_name, config)
-                          for name in dict.fromkeys(report_to) if name != "none"]
+        self._trackers = {name: opener_by_name[name](Path(log_dir), run_name, config, (run_ids or {}).get(name))
+                          for name in dict.fromkeys(report_to) if name != "none"}
+
+    def run_ids(self) -> dict:
+        """{tracker: its run's id}, for the trackers whose runs a resumed job continues."""
+        return {name: tracker.run_id for name, tracker in self._trackers.items() if tracker.run_id is not None}
 
     def log(self, values: dict, step: int) -> None:
         """Every numeric scalar of `values` at `step`; lists, strings, booleans and None are skipped."""
         scalars = numeric_scalars(values)
         if scalars:
-            for tracker in self._trackers:
+            for tracker in self._trackers.values():
                 tracker.log(scalars, step)
 
     def close(self) -> None:
-        trackers, self._trackers = self._trackers, []
-        for tracker in trackers:
+        trackers, self._trackers = self._trackers, {}
+        for tracker in trackers.values():
             tracker.close()
 
 
 def _tensorboard_tag(key: str) -> str:
-    """`eval_loss` → `eval/loss`, `loss` → `train/loss`: the tags transformers' TensorBoardCallback writes."""
-    return f"eval/{key[len('eval_'):]}" if key.startswith("eval_") else f"train/{key}"
+    """`eval_loss` → `eval/loss`, `loss` → `train/loss`: the tags transformers' TensorBoardCallback writes;
+    a key already named for training is not doubled (`train_tokens_per_second` → `train/tokens_per_second`)."""
+    if key.startswith("eval_"):
+        return f"eval/{key[len('eval_'):]}"
+    return f"train/{key.removeprefix('train_')}"
 
 
 class _TensorBoard:
-    def __init__(self, log_dir: Path, run_name: str, config: dict):
+    run_id = None  # a resumed run appends to the same log directory
+
+    def __init__(self, log_dir: Path, run_name: str, config: dict, run_id: str | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(log_dir))
@@ -83,12 +95,14 @@ class _TensorBoard:
 
 
 class _Wandb:
-    def __init__(self, log_dir: Path, run_name: str, config: dict):
+    def __init__(self, log_dir: Path, run_name: str, config: dict, run_id: str | None = None):
         import wandb
 
         log_dir.mkdir(parents=True, exist_ok=True)  # wandb.init does not create `dir`
+        # resume="allow": the run of that id continues where it exists, and is made where it does not.
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", _DEFAULT_PROJECT), name=run_name,
-                               config=config, dir=str(log_dir))
+                               config=config, dir=str(log_dir), id=run_id, resume="allow" if run_id else None)
+        self.run_id = self._run.id
 
     def log(self, scalars: dict, step: int) -> None:
         self._run.log(scalars, step=step)
@@ -98,7 +112,9 @@ class _Wandb:
 
 
 class _Trackio:
-    def __init__(self, log_dir: Path, run_name: str, config: dict):
+    run_id = None  # trackio continues a run by its name
+
+    def __init__(self, log_dir: Path, run_name: str, config: dict, run_id: str | None = None):
         import trackio
 
         self._trackio = trackio

@@ -22,11 +22,14 @@ __all__ = ["main", "train"]
 logger = get_logger(__name__)
 
 
-def _parse_args(argv: list[str] | None):
+def _parse_args(argv: list[str] | None, prog: str = "train.py"):
     from .config_docs import keys_help
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-"):  # `hf-asyncpp train CONFIG.yaml`: the config file, positional
+        argv = ["--config", *argv]
     parser = argparse.ArgumentParser(
-        prog="train.py",
+        prog=prog,
         description="Pipeline-parallel pretraining of an HF causal LM.\nEvery config key below can be set in the "
         "YAML file or as --key value (lists as --stage_boundaries 3,6);\ndocs/config.md has the same list.",
         epilog=f"config keys:\n{keys_help()}", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -109,8 +112,8 @@ def train(config, model_config, launch) -> dict:
         shutdown_parallel(peers_alive)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = _parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
+    args, overrides = _parse_args(argv, prog)
     from .config import ConfigError, load_config
     from .config_checks import apply_launch_settings, fit_to_one_process, validate_config
     from .parallel.launch import LaunchError, read_launch

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .config import ConfigError, TrainConfig, config_from_values
-from .config_checks import apply_launch_settings, check_settings, fit_to_one_process
+from .config import TRAINER_OPTIMIZERS, ConfigError, TrainConfig, config_from_values
+from .config_checks import apply_launch_settings, check_settings, fit_global_batch, fit_to_one_process
 
 __all__ = ["AsyncPPTrainingArguments", "HONOURED", "REFUSED", "SINCE_TRANSFORMERS_5_24"]
 
@@ -166,7 +166,7 @@ _REFUSED_VALUES = {
     "train_sampling_strategy": (("group_by_length",), "packed blocks all have one length"),
 }
 # `optim` names that mean one of the pipeline's optimizers.
-_OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd", "lion_32bit": "lion"}
+_OPTIM_NAMES = TRAINER_OPTIMIZERS  # the names YAML files take too (config.ALIASES)
 _EMPTY = (None, "", [], {})
 _OPTIM_DEFAULT = next(f.default for f in dataclasses.fields(TrainingArguments) if f.name == "optim")
 # Pipeline fields of these arguments that are TrainConfig keys under the same name.
@@ -288,7 +288,10 @@ class AsyncPPTrainingArguments(TrainingArguments):
         clashes = sorted(set(extra) & (set(values) | {"logging_steps", "eval_steps", "save_steps", "warmup_steps"}))
         if clashes:
             raise ConfigError(f"pipeline_config sets {', '.join(clashes)}, which are training arguments: set them there")
+        if "global_batch_size" in extra:  # it sets n_microbatches (config_checks.fit_global_batch)
+            values.pop("n_microbatches")
         config = config_from_values({k: v for k, v in {**values, **extra}.items() if v is not None})
         config.save_total_limit = self.save_total_limit
         apply_launch_settings(config, self.launch)
+        fit_global_batch(config, self.launch.world_size)
         return config

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from hf_asyncpp.config import SECTIONS, ConfigError, TrainConfig, load_config
 from hf_asyncpp.config_checks import validate_config
 from hf_asyncpp.run import main
+from tests.test_engine import save_model_dir
 
 DEFAULT_YAML = "training_scripts/configs/tiny_moe.yaml"
 
@@ -116,7 +117,16 @@ BAD_INPUTS = {
                                   "tiny-mixtral"], 2, "schedule 'interleaved-1f1b' cannot run 5 microbatches"),
     "unknown schedule": (["--schedule", "pipedream-9000"], 2, "unknown schedule 'pipedream-9000'; available: gpipe"),
     "unknown optimizer": (["--optimizer", "adamax"], 2, "unknown optimizer 'adamax'; available: sgd, adamw"),
-    "unknown key": (["--learning_rat", "0.1"], 2, "unknown config key.*learning_rat"),
+    "unknown key": (["--learnig_rate", "0.1"], 2, "unknown config key.*learnig_rate \\(did you mean learning_rate\\?\\)"),
+    "attention without its package": (["--attn_implementation", "flash_attention_2"], 2,
+                                      "attn_implementation flash_attention_2 needs the flash_attn package"),
+    "unknown attention": (["--attn_implementation", "fast"], 2, "unknown attn_implementation 'fast'; choose from eager"),
+    "a config override of no field": (["--config_overrides", "num_hidden_layers=2,hiden_size=64"], 2,
+                                      "config_overrides: hiden_size is not a field of tiny-moe's config"),
+    "a config override not key=value": (["--config_overrides", "num_hidden_layers"], 2,
+                                        "config_overrides: 'num_hidden_layers' is not key=value"),
+    "indivisible global batch": (["--global_batch_size", "20", "--micro_batch_size", "4"], 4,
+                                 "global_batch_size 20 is not a multiple of micro_batch_size 4 × dp 2 = 8 sequences"),
     "unsupported model": (["--model_config", "{gpt2}"], 2, "model_type 'gpt2' is not supported.*mixtral"),
     "missing dataset": (["--dataset", "/nonexistent/corpus/*.txt"], 2, "dataset '/nonexistent/corpus/\\*.txt' matches no files"),
     "unknown preset": (["--model_config", "tiny-nothing"], 2, "neither a preset"),
@@ -220,7 +230,7 @@ def test_init_from_starts_from_the_saved_weights_and_config(tmp_path):
     from hf_asyncpp.models.presets import build_config
 
     saved = AutoModelForCausalLM.from_config(build_config("tiny-olmoe", num_hidden_layers=2))
-    saved.save_pretrained(tmp_path / "start")
+    save_model_dir(saved, tmp_path / "start")
     config = TrainConfig(init_from=str(tmp_path / "start"), model_config="tiny-moe", pp_size=2)
     model_config = validate_config(config, world_size=2)
     assert model_config.model_type == "olmoe"  # init_from's own config wins over model_config
@@ -291,3 +301,79 @@ def test_clipping_by_the_global_norm_warns_with_the_modelled_slowdown_where_stag
         assert f"{schedule} clipped by the global norm" in err and f"a step takes {warned} as long" in err, err
     else:
         assert "clipped by the global norm" not in err
+
+
+def test_global_batch_size_sets_the_microbatches_from_the_dp_size():
+    """The same global batch on twice the ranks: half the microbatches per dp rank, the same sequences a step."""
+    for world_size, microbatches in ((2, 8), (4, 4), (8, 2)):
+        config = load_config(DEFAULT_YAML, ["--global_batch_size", "64", "--micro_batch_size", "8", "--pp_size", "2"])
+        validate_config(config, world_size=world_size)
+        assert config.n_microbatches == microbatches
+        assert config.micro_batch_size * config.n_microbatches * (world_size // 2) == 64
+
+
+def test_global_batch_size_and_n_microbatches_are_one_setting(tmp_path):
+    (tmp_path / "both.yaml").write_text("global_batch_size: 64\nn_microbatches: 4\n")
+    with pytest.raises(ConfigError, match="global_batch_size and n_microbatches are both set: give one"):
+        load_config(str(tmp_path / "both.yaml"))
+    (tmp_path / "file.yaml").write_text("n_microbatches: 4\n")  # the command line's batch replaces the file's
+    assert load_config(str(tmp_path / "file.yaml"), ["--global_batch_size", "64"]).global_batch_size == 64
+
+
+@pytest.mark.parametrize("overrides, ef, max_steps", [
+    (["--ef"], True, 200), (["--ef", "--max_steps", "5"], True, 5), (["--no-ef"], False, 200),
+    (["--ef", "false"], False, 200), (["--max_steps", "5", "--ef"], True, 5), (["--ef=true"], True, 200)])
+def test_a_boolean_key_alone_is_true_and_negated_is_false(overrides, ef, max_steps):
+    config = load_config(DEFAULT_YAML, overrides)
+    assert (config.ef, config.max_steps) == (ef, max_steps)
+
+
+def test_a_yaml_in_trainer_s_names_is_the_same_run_as_one_in_ours(tmp_path):
+    """TrainingArguments' names of the settings both have (config.ALIASES): the same TrainConfig, so the
+    same tokens per step and the same losses."""
+    (tmp_path / "ours.yaml").write_text("micro_batch_size: 4\nn_microbatches: 8\noptimizer: adamw\nmomentum: 0.8\n"
+                                        "beta2: 0.95\nmixed_precision: bf16\nmax_steps: 50\nwarmup_steps: 5\n")
+    (tmp_path / "trainer.yaml").write_text("per_device_train_batch_size: 4\ngradient_accumulation_steps: 8\n"
+                                           "optim: adamw_torch\nadam_beta1: 0.8\nadam_beta2: 0.95\nbf16: true\n"
+                                           "max_steps: 50\nwarmup_ratio: 0.1\n")
+    (tmp_path / "fraction.yaml").write_text("max_steps: 50\nwarmup_steps: 0.1\n")  # a ratio, as Trainer takes it
+    assert load_config(str(tmp_path / "trainer.yaml")) == load_config(str(tmp_path / "ours.yaml"))
+    assert load_config(str(tmp_path / "fraction.yaml")).warmup_steps == 5
+    assert load_config(None, ["--per_device_train_batch_size", "2"]).micro_batch_size == 2
+    # the command line replaces the file's setting, whichever name each gives it
+    assert load_config(str(tmp_path / "ours.yaml"), ["--per_device_train_batch_size", "2"]).micro_batch_size == 2
+    assert load_config(str(tmp_path / "fraction.yaml"), ["--max_steps", "200"]).warmup_steps == 20
+
+
+def test_one_setting_under_two_names_with_two_values_is_refused(tmp_path):
+    (tmp_path / "both.yaml").write_text("micro_batch_size: 4\nper_device_train_batch_size: 8\n")
+    with pytest.raises(ConfigError, match=r"micro_batch_size \(4\) and per_device_train_batch_size \(8\) set one "
+                                          "setting to two values"):
+        load_config(str(tmp_path / "both.yaml"))
+    (tmp_path / "same.yaml").write_text("micro_batch_size: 4\nper_device_train_batch_size: 4\n")
+    assert load_config(str(tmp_path / "same.yaml")).micro_batch_size == 4
+    with pytest.raises(ConfigError, match="optim 'adafactor' is not supported"):
+        load_config(None, ["--optim", "adafactor"])
+
+
+def test_config_overrides_change_the_model_s_fields():
+    config = load_config(DEFAULT_YAML, ["--config_overrides", "num_hidden_layers=2, num_experts_per_tok=1"])
+    model_config = validate_config(config, world_size=2)
+    assert (model_config.num_hidden_layers, model_config.num_experts_per_tok) == (2, 1)
+
+
+@pytest.mark.parametrize("spelling, meant", [("bfloat16", "bf16"), ("float32", "no"), ("fp32", "no"), ("bf16", "bf16")])
+def test_mixed_precision_takes_the_dtype_spellings_export_dtype_takes(spelling, meant):
+    assert load_config(DEFAULT_YAML, ["--mixed_precision", spelling]).mixed_precision == meant
+
+
+def test_a_model_config_init_from_overrides_is_said_not_silently_dropped(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from hf_asyncpp.models.presets import build_config
+
+    save_model_dir(AutoModelForCausalLM.from_config(build_config("tiny-olmoe", num_hidden_layers=2)), tmp_path / "start")
+    config = TrainConfig(init_from=str(tmp_path / "start"), model_config="tiny-mixtral", pp_size=2)
+    validate_config(config, world_size=2)
+    assert f"model_config tiny-mixtral is not used: the model is init_from's ({tmp_path / 'start'})" in \
+        capsys.readouterr().err

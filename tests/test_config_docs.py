@@ -41,8 +41,13 @@ def test_docs_config_md_is_generated_from_trainconfig():
     generated = text.split(BEGIN_MARKER)[1].split(END_MARKER)[0].strip()
     assert generated == keys_reference(), (
         "docs/config.md is out of date: run python -m hf_asyncpp.config_docs docs/config.md")
-    rows = [line.split("|")[1].strip().strip("`") for line in generated.splitlines() if line.startswith("| `")]
+    keys, aliases = generated.split("### TrainingArguments' names")
+    rows = [line.split("|")[1].strip().strip("`") for line in keys.splitlines() if line.startswith("| `")]
     assert rows == KEYS  # every key once, in the dataclass's order
+    from hf_asyncpp.config import ALIASES
+
+    named = [line.split("|")[1].strip().strip("`") for line in aliases.splitlines() if line.startswith("| `")]
+    assert named == list(ALIASES)  # then every TrainingArguments name the config takes
 
 
 def test_regenerating_changes_only_the_part_between_the_markers(tmp_path, monkeypatch):

@@ -417,13 +417,13 @@ def test_bad_data_is_refused_with_the_file_the_place_and_the_fix(tmp_path, case)
     dataset, expected = _bad_data(tmp_path, case)
     config = _config(dataset=dataset, seq_len=SEQ_BAD)
     with pytest.raises(DataError, match=expected):
-        training_data(config, load_tokenizer(config.tokenizer), 0, 1, vocab_size=8192)
+        training_data(config, load_tokenizer("builtin"), 0, 1, vocab_size=8192)
 
 
 def test_a_streamed_token_beyond_the_vocabulary_is_refused_when_its_step_is_read(tmp_path):
     dataset, _ = _bad_data(tmp_path, "vocabulary")
     config = _config(dataset=dataset, seq_len=SEQ_BAD, streaming=True)
-    sampler = training_data(config, load_tokenizer(config.tokenizer), 0, 1, vocab_size=8192).sampler
+    sampler = training_data(config, load_tokenizer("builtin"), 0, 1, vocab_size=8192).sampler
     with pytest.raises(DataError, match="block 5 holds token id 9000"):
         sampler.rows(5 // config.rows_per_step)
 

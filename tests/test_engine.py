@@ -41,6 +41,16 @@ def small_model_config(preset: str):
     return build_config(preset, **overrides)
 
 
+def save_model_dir(config_or_model, path):
+    """A model directory as the Hub ships one: its config (and weights) beside its tokenizer, here the
+    built-in BPE, whose 8192 ids the config's vocabulary is sized to. A run reads the tokenizer there."""
+    from hf_asyncpp.data import load_tokenizer
+
+    config_or_model.save_pretrained(path)
+    load_tokenizer("builtin").save_pretrained(path)
+    return path
+
+
 def routed_token_counts(model, rows, n_microbatches) -> dict:
     """Tokens per expert of every bias-balanced (DeepSeek-V3) router of the HF model on `rows`."""
     import torch

@@ -19,26 +19,37 @@ import torch
 import yaml
 
 from hf_asyncpp.evaluation import PERPLEXITY_METRIC_PATH, validation_summary
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 from tests.test_run import _env
 
 SEQ, MBS, M, ROWS = 16, 2, 2, 40
 
 
-def test_the_validation_loss_is_the_exported_models_loss_on_the_held_out_rows(tmp_path):
-    from transformers import AutoModelForCausalLM
-
+def _model_and_rows(tmp_path):
+    """A tiny Qwen3-MoE (with the built-in tokenizer beside it) and ROWS random rows as data.jsonl."""
     config = small_model_config("tiny-qwen3-moe")
     config.vocab_size = 8192
-    config.save_pretrained(tmp_path / "model")
+    save_model_dir(config, tmp_path / "model")
     rows = torch.randint(0, 8192, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
-    out = tmp_path / "run"
+    return config, rows
+
+
+def _train(tmp_path, out, *extra):
+    """train.py for two steps on one process."""
     command = [sys.executable, "training_scripts/train.py", "--config", "training_scripts/configs/tiny_moe.yaml",
                "--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),
                "--seq_len", str(SEQ), "--micro_batch_size", str(MBS), "--n_microbatches", str(M),
-               "--max_steps", "2", "--eval_fraction", "0.2", "--eval_steps", "1", "--output_dir", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
+               "--max_steps", "2", "--output_dir", str(out), *extra]
+    return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
+
+
+def test_the_validation_loss_is_the_exported_models_loss_on_the_held_out_rows(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config, rows = _model_and_rows(tmp_path)
+    out = tmp_path / "run"
+    done = _train(tmp_path, out, "--eval_fraction", "0.2", "--eval_steps", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [1, 2]
@@ -76,3 +87,15 @@ def test_the_shipped_evaluate_metric_loads_offline_and_computes_the_token_weight
     result = metric.compute()
     assert result == validation_summary(losses, tokens)
     assert abs(result["eval_loss"] - loss) < 1e-12 and abs(result["eval_perplexity"] - math.exp(loss)) < 1e-9
+
+
+def test_a_held_out_set_smaller_than_one_evaluation_batch_is_refused_before_the_first_step(tmp_path):
+    """5% of 40 rows is 2 blocks, fewer than one evaluation batch of 2 × 2: said when the data is read,
+    not at the first evaluation after steps were spent."""
+    _model_and_rows(tmp_path)
+    out = tmp_path / "run"
+    done = _train(tmp_path, out, "--eval_fraction", "0.05")
+    assert done.returncode == 1
+    assert ("error: the held-out split has 2 blocks, fewer than one evaluation batch (4: micro_batch_size × "
+            "n_microbatches × dp); raise eval_fraction") in done.stderr
+    assert not (out / "metrics.jsonl").exists()  # no step was spent

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from hf_asyncpp.provenance import NUMERICS
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 
 RUNS = {
     "adamw-sync": dict(optimizer="adamw", schedule="gpipe", learning_rate=1e-2, momentum=0.9),
@@ -51,7 +51,7 @@ def logged_losses(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("numerics")
     model = small_model_config("tiny-qwen3-moe")
     model.vocab_size = 8192  # the builtin tokenizer's
-    model.save_pretrained(tmp / "model")
+    save_model_dir(model, tmp / "model")
     # Eight sequences, each seen 16 times: a model memorising them falls fast, which grows any difference.
     rows = torch.randint(0, 8192, (8, 16), generator=torch.Generator().manual_seed(0)).repeat(16, 1).tolist()
     (tmp / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.ranks import train_py
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 from tests.test_run import _env
 
 SEQ, MBS, M, STEPS, K = 16, 2, 4, 8, 3
@@ -46,7 +46,7 @@ POISON = 8191  # the first token of one row of minibatch K; no other row starts 
 def _data(tmp_path, drop_minibatch: int | None = None):
     config = small_model_config("tiny-qwen3-moe")
     config.vocab_size = 8192  # the built-in tokenizer's
-    config.save_pretrained(tmp_path / "model")
+    save_model_dir(config, tmp_path / "model")
     rows = torch.randint(0, 8000, (STEPS * ROWS, SEQ), generator=torch.Generator().manual_seed(0))
     rows[K * ROWS + MBS, 0] = POISON  # the first row of microbatch 1 of minibatch K
     if drop_minibatch is not None:
@@ -80,8 +80,6 @@ def _reference(tmp_path, out, data, schedule, *extra) -> None:
 def _main_without_update(rank, world_size, k, argv, log_dir):
     """tests/faults.py with IDENTITY_UPDATE=k, on a rank of the suite's pool: its drop_update(k) for
     train.py's main(argv) (tests/ranks.py), then the update rule put back for the rank's next run."""
-    import os
-
     from hf_asyncpp.updates import Updates
     from tests.faults import drop_update
     from tests.ranks import _train_py_main
@@ -386,7 +384,7 @@ def test_a_dead_or_stalled_rank_stops_the_others_within_the_timeout(uninterrupte
         faulted = time.time()
         _, stderr = ranks[0].communicate(timeout=timeout_s + 30)
         assert time.time() - faulted < timeout_s + 30
-        assert ranks[0].returncode == 1
+        assert ranks[0].returncode == 1, stderr[-3000:]
         assert "error: rank 0 lost contact with the other ranks" in stderr and "comm_timeout_s (10 s)" in stderr
         assert re.search("Timed out" if fault == "SIGSTOP" else "Connection (closed|reset) by peer", stderr)
         assert not (out / "final").exists()

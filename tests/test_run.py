@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 
 SEQ, MBS, M, STEPS = 16, 2, 4, 3
 TRAIN = ["training_scripts/train.py", "--config", "training_scripts/configs/tiny_moe.yaml"]
@@ -29,7 +29,7 @@ TRAIN = ["training_scripts/train.py", "--config", "training_scripts/configs/tiny
 def _setup(tmp_path):
     config = small_model_config("tiny-mixtral")
     config.vocab_size = 8192  # the built-in tokenizer's size, so the export ships it
-    config.save_pretrained(tmp_path / "model")
+    save_model_dir(config, tmp_path / "model")
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(0, config.vocab_size, (STEPS * MBS * M + 5, SEQ), generator=gen)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))

@@ -74,7 +74,7 @@ def _prepared_stand_in(tmp_path, seq_len: int) -> str:
 
 def _with_stand_ins(config, tmp_path):
     """The config with the files a user prepares replaced by stand-ins when they are not there."""
-    if config.tokenizer != "builtin" and not os.path.isdir(config.tokenizer):
+    if config.tokenizer not in (None, "builtin") and not os.path.isdir(config.tokenizer):
         config.tokenizer = "builtin"
     if config.dataset.startswith("data/") and not os.path.exists(config.dataset):  # shards the header prepares
         config.dataset = _prepared_stand_in(tmp_path, config.seq_len)

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from tests.ranks import train_py
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 from tests.test_resilience import _logged_steps, _records, _weights
 from tests.test_run import _env
 
@@ -285,7 +285,7 @@ SEQ, MBS, M, STEPS = 16, 2, 4, 30
 def _config(tmp_path) -> Path:
     model = small_model_config("tiny-qwen3-moe")
     model.vocab_size = 8192  # the built-in tokenizer's
-    model.save_pretrained(tmp_path / "model")
+    save_model_dir(model, tmp_path / "model")
     rows = torch.randint(0, 8000, (STEPS * MBS * M, SEQ), generator=torch.Generator().manual_seed(1))
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
     config = {"model_config": str(tmp_path / "model"), "dataset": str(tmp_path / "data.jsonl"), "seq_len": SEQ,

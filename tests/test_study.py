@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 
 SEQ = 16
 
@@ -26,7 +26,7 @@ SEQ = 16
 def study_file(tmp_path, monkeypatch):
     config = small_model_config("tiny-qwen3-moe")
     config.vocab_size = 8192
-    config.save_pretrained(tmp_path / "model")
+    save_model_dir(config, tmp_path / "model")
     rows = torch.randint(0, 8192, (64, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     base = dict(model_config=str(tmp_path / "model"), dataset=str(tmp_path / "data.jsonl"), seq_len=SEQ,

@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from tests.hub_server import LoopbackHub
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 
 SEQ, MBS, M, STEPS = 16, 2, 4, 6
 TOKEN = "hf_loopbackTrainerToken"
@@ -53,7 +53,7 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     config = small_model_config("tiny-qwen3-moe")
     config.vocab_size = 8192  # the built-in tokenizer's size
-    config.save_pretrained(root / "model")
+    save_model_dir(config, root / "model")
     rows = torch.randint(0, 8192, (80, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
     (root / "train.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows[:64]))
     (root / "eval.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows[64:]))
@@ -450,10 +450,14 @@ def test_log_history_and_metrics_jsonl_of_a_run_share_their_keys_and_values(stop
     records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [entry["step"] for entry in logged] == [record["step"] for record in records] == [1, 2, 3]
     for entry, record in zip(logged, records):
-        assert set(entry) == HF_NAMED_KEYS
         assert set(record) == HF_NAMED_KEYS | {"idle_fraction_per_rank", "weight_version_age_per_stage",
                                                "skipped_updates_per_stage", "schedule", "mfu",
-                                               "peak_rss_gib_per_rank"}  # lists and None stay in the file
+                                               "peak_rss_gib_per_rank"}  # lists and None in the file only
+        # each list's entries as scalars of their own: idle_fraction_per_rank → idle_fraction_rank_0, …
+        flattened = {f"{name}_{unit}_{i}": value for key, values in record.items() if isinstance(values, list)
+                     for name, unit in [key.rsplit("_per_", 1)] for i, value in enumerate(values)}
+        assert set(entry) == HF_NAMED_KEYS | set(flattened)
+        assert {key: entry[key] for key in flattened} == flattened
         assert {key: entry[key] for key in HF_NAMED_KEYS} == {key: record[key] for key in HF_NAMED_KEYS}
     steps_per_epoch = 64 / (MBS * M)  # 64 training rows, one dp rank
     assert [record["epoch"] for record in records] == [step / steps_per_epoch for step in (1, 2, 3)]

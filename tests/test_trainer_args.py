@@ -152,3 +152,13 @@ def test_the_pipelines_mixed_precision_survives_trainingarguments_own_reading(tm
     args = _args(tmp_path, mixed_precision="bf16")
     assert args.mixed_precision == "no"  # what accelerate's Accelerator is given
     assert args.to_train_config(seq_len=16).mixed_precision == "bf16"
+
+
+def test_a_global_batch_size_in_pipeline_config_sets_the_microbatches(tmp_path, monkeypatch):
+    """The YAML front end's global_batch_size, through pipeline_config: n_microbatches follows from it,
+    per_device_train_batch_size and the launch's dp size (here 4 ranks at pp 2: dp 2)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    config = _args(tmp_path, pp_size=2, per_device_train_batch_size=2,
+                   pipeline_config={"global_batch_size": 24}).to_train_config()
+    assert (config.micro_batch_size, config.n_microbatches, config.global_batch_size) == (2, 6, 24)

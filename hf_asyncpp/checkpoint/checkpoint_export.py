@@ -34,7 +34,7 @@ from .checkpoints import CheckpointError, find_checkpoint, verify_checkpoint, ve
 from .hf_export import (coverage_problem, export_dtype, meta_model, on_disk_state, size_limit, tensor_bytes,
                         write_index, write_model_files, write_one_file, write_shards)
 
-__all__ = ["export_checkpoint"]
+__all__ = ["export_checkpoint", "write_hf_weights"]
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -94,6 +94,35 @@ def _checked_output(out_dir: Path) -> Path:
     return out_dir
 
 
+def write_hf_weights(checkpoint: Path, out_dir: Path, model_config, dtype: torch.dtype, limit: int) -> None:
+    """The master weights the distributed checkpoint files in `checkpoint` hold, written to `out_dir` as
+    `save_pretrained` writes them (one model.safetensors below `limit` bytes, shards and an index above),
+    a group of layers at a time. NonFiniteError for a tensor holding a NaN or an infinity."""
+    reader = FileSystemReader(checkpoint)
+    saved = {k[len("model."):]: v for k, v in reader.read_metadata().state_dict_metadata.items()
+             if k.startswith("model.")}
+    model = meta_model(model_config)
+    plans = _plan(saved, model, dtype, limit)
+    n_files = sum(len(plan.filename_to_tensors) for _, plan in plans)
+    one_file = len(plans) == 1 and n_files == 1
+    weight_map, first, total = {}, 0, 0
+    for names, plan in plans:
+        state = _read(reader, saved, names)
+        bad = first_nonfinite(state.items())
+        if bad is not None:
+            raise NonFiniteError(f"not exporting {checkpoint}: {bad} holds non-finite values")
+        disk = on_disk_state(state, model, dtype)
+        del state
+        total += tensor_bytes(disk)
+        if one_file:
+            write_one_file(disk, out_dir)
+        else:
+            weight_map.update(write_shards(disk, first, n_files, out_dir, plan))
+            first += len(plan.filename_to_tensors)
+    if not one_file:
+        write_index(out_dir, total, weight_map)
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
                       model_card: Callable[[dict, object], str] | None = None) -> Path:
     """Write `checkpoint`'s weights as an HF model directory in `out_dir` (which must be new or
@@ -112,35 +141,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
     weights_dtype = export_dtype(dtype or run_state["config"].get("export_dtype", "float32"))
     limit = size_limit(run_state["config"].get("max_shard_size", "5GB"))
-    reader = FileSystemReader(path)
-    saved = {k[len("model."):]: v for k, v in reader.read_metadata().state_dict_metadata.items()
-             if k.startswith("model.")}
-    model = meta_model(model_config)
-    plans = _plan(saved, model, weights_dtype, limit)
     card = model_card(run_state, model_config) if model_card is not None else None
 
     staging = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        n_files = sum(len(plan.filename_to_tensors) for _, plan in plans)
-        one_file = len(plans) == 1 and n_files == 1
-        weight_map, first, total = {}, 0, 0
-        for names, plan in plans:
-            state = _read(reader, saved, names)
-            bad = first_nonfinite(state.items())
-            if bad is not None:
-                raise NonFiniteError(f"not exporting {path}: {bad} holds non-finite values")
-            disk = on_disk_state(state, model, weights_dtype)
-            del state
-            total += tensor_bytes(disk)
-            if one_file:
-                write_one_file(disk, staging)
-            else:
-                weight_map.update(write_shards(disk, first, n_files, staging, plan))
-                first += len(plan.filename_to_tensors)
-        if not one_file:
-            write_index(staging, total, weight_map)
+        write_hf_weights(path, staging, model_config, weights_dtype, limit)
         write_model_files(staging, model_config, tokenizer, weights_dtype, card)
         if out_dir.exists():
             out_dir.rmdir()

@@ -153,6 +153,8 @@ class _Staged:
     json_files: dict  # name → text (rank 0)
     save_total_limit: int | None
     staging_s: float
+    model_config: object = None  # with hf_weights: the weights as HF files beside the state (rank 0)
+    hf_weights: tuple | None = None  # (dtype, max shard bytes)
 
     @property
     def partial(self) -> Path:
@@ -173,14 +175,22 @@ class CheckpointWriter:
     def pending(self) -> bool:
         return self._thread is not None
 
+    def written(self) -> Path | None:
+        """The checkpoint in flight if this rank's part of it has ended well, else None: for a console
+        line as soon as it is complete (rank-local; `wait` is still what every rank calls)."""
+        done, failure = self._outcome
+        return done if self._thread is not None and not self._thread.is_alive() and failure is None else None
+
     def save(self, engine, output_dir: str | Path, step: int, run_state: dict, save_total_limit: int | None = None,
              trainer_state: dict | None = None, model_config=None, tokenizer=None,
-             data_position: dict | None = None) -> Path:
+             data_position: dict | None = None, hf_weights: tuple | None = None) -> Path:
         """Stage the training state after `step` completed steps and write it (in the background: the
         checkpoint is complete once `wait` returns it). The arguments: checkpoints.save_checkpoint's."""
         self.wait()
         staged = self._stage(engine, output_dir, step, run_state, save_total_limit, trainer_state,
                              model_config, tokenizer, data_position)
+        if model_config is not None and self.layout.is_main:
+            staged.model_config, staged.hf_weights = model_config, hf_weights
         if not self.background:
             self._outcome = (self._write(staged, self.layout.io_group), None)
             return staged.final
@@ -199,6 +209,15 @@ class CheckpointWriter:
         if failure is not None:
             raise failure
         return done
+
+    def abandon(self, timeout_s: float) -> None:
+        """After this rank's own failure or a lost peer: let the save in flight end (its collectives fail
+        at once when a peer died, after the group's timeout when one stopped answering) and drop its
+        outcome. The process groups can then be torn down: destroying one while this thread still
+        waits in it aborts the process."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._thread, self._outcome = None, (None, None)
 
     # --- the two halves ---------------------------------------------------------------------------
 
@@ -250,6 +269,9 @@ class CheckpointWriter:
         _, failure = _attempt(lambda: dcp.save(staged.state, storage_writer=FileSystemWriter(partial),
                                                process_group=group, planner=DefaultSavePlanner(flatten_state_dict=False)))
         _agree(group, layout.world_size, final, failure)
+        if staged.model_config is not None:  # rank 0: from the files just written, a group of layers at a time
+            _, failure = _attempt(lambda: _write_hf_weights(staged))
+        _agree(group, layout.world_size, final, failure)
         digests, failure = _attempt(lambda: {
             name: {"bytes": (partial / name).stat().st_size, "sha256": digest(partial / name)}
             for name in share_of([p.name for p in partial.iterdir()], layout.rank, layout.world_size)})
@@ -275,6 +297,23 @@ class CheckpointWriter:
         self.last = SaveTiming(int(final.name[len(PREFIX):]), times[0][2], max(t[0] for t in times),
                                max(t[1] for t in times))
         return final
+
+
+LOAD_NOTE = "HOW_TO_LOAD.txt"
+
+
+def _write_hf_weights(staged: _Staged) -> None:
+    """The checkpoint's master weights as `save_pretrained` writes them, beside its state, so that
+    `from_pretrained` loads the directory (checkpoint_export.write_hf_weights); or, without them, a
+    one-line note naming the command that writes them."""
+    from .checkpoint_export import write_hf_weights
+
+    if staged.hf_weights is None:
+        _write_text(staged.partial / LOAD_NOTE, f"from_pretrained needs this checkpoint's weights as HF files: "
+                                                f"hf-asyncpp export {staged.final} OUT_DIR\n")
+        return
+    dtype, limit = staged.hf_weights
+    write_hf_weights(staged.partial, staged.partial, staged.model_config, dtype, limit)
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -14,12 +14,12 @@ from .samplers import MinibatchSampler, StreamingSampler
 from .sources import (
     check_dataset_source,
     hub_offline,
-    is_hub_dataset_id,
+    is_hub_id,
     load_source,
     resolve_dataset_files,
     shakespeare_files,
 )
-from .tokenizer import BUILTIN_TOKENIZER_DIR, EOS_TOKEN, check_tokenizer_source, load_tokenizer
+from .tokenizer import BUILTIN_TOKENIZER_DIR, EOS_TOKEN, check_tokenizer_source, load_tokenizer, model_tokenizer_source
 from .run_data import TrainingData, token_free_data, training_data
 
 __all__ = [
@@ -32,8 +32,9 @@ __all__ = [
     "build_token_blocks",
     "check_dataset_source",
     "check_tokenizer_source",
+    "model_tokenizer_source",
     "hub_offline",
-    "is_hub_dataset_id",
+    "is_hub_id",
     "load_source",
     "load_tokenizer",
     "resolve_dataset_files",

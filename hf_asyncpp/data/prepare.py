@@ -163,7 +163,7 @@ def _write_shard(partial: Path, parts: list[tuple[str, int]], seq_len: int, inde
     return {"file": name, "blocks": n_blocks}
 
 
-def _hashes(blocks) -> "np.ndarray":
+def _hashes(blocks):
     """`block_hashes` of (rows, seq_len) int32 blocks, a few thousand rows at a time (int64 copies)."""
     import numpy as np
     import torch

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..evaluation import split_held_out
+from ..evaluation import evaluation_batches, split_held_out
+from .errors import DataError
 from .packing import BlockPacker, check_disjoint, check_vocabulary
 from .prefetch import Prefetcher
 from .prepared import PreparedBlocks, read_manifest
@@ -106,6 +107,8 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
                   "revision": config.dataset_revision}  # the stream's saved positions hold only in it
         sampler = StreamingSampler(train_dataset, packer, config.rows_per_step, dp_rank, dp_size,
                                    config.shuffle, config.seed, config.shuffle_window, vocab_size, train_name, source)
+        if held_out is not None:
+            _check_evaluation_size(held_out, config, dp_size)
         # Packing a stream costs time per step: the next steps are read ahead in a thread.
         return TrainingData(Prefetcher(sampler, pin_memory=torch.cuda.is_available()), held_out)
     if isinstance(train_dataset, PreparedBlocks):  # vocabulary checked by its manifest; too large to scan
@@ -121,5 +124,15 @@ def _build(train_dataset, eval_dataset, tokenizer, config, dp_rank: int, dp_size
         blocks, held_out = split_held_out(blocks, config.eval_fraction)
         if isinstance(held_out, PreparedBlocks):
             held_out = held_out.materialize()
+    if held_out is not None:
+        _check_evaluation_size(held_out, config, dp_size)
     sampler = MinibatchSampler(blocks, config.rows_per_step, dp_rank, dp_size, config.shuffle, config.seed)
     return TrainingData(sampler, held_out)
+
+
+def _check_evaluation_size(held_out, config, dp_size: int) -> None:
+    """A held-out set too small for one evaluation batch is said before training, not at the first evaluation."""
+    try:
+        evaluation_batches(held_out.shape[0], config.rows_per_step, dp_size)
+    except ValueError as err:
+        raise DataError(str(err)) from None

@@ -18,7 +18,7 @@ from .prepared import read_manifest
 __all__ = [
     "check_dataset_source",
     "hub_offline",
-    "is_hub_dataset_id",
+    "is_hub_id",
     "load_source",
     "read_failure",
     "resolve_dataset_files",
@@ -68,10 +68,10 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
 
 
-def is_hub_dataset_id(dataset: str) -> bool:
-    """A `namespace/name` string that is no local path (nor a data file's name): a dataset on the Hub."""
-    return (bool(_HUB_ID.match(dataset)) and Path(dataset).suffix.lower() not in _LOADERS
-            and not os.path.exists(dataset))
+def is_hub_id(name: str) -> bool:
+    """A `namespace/name` string that is no local path (nor a data file's name): a repository on the Hub
+    (a dataset, a model, a tokenizer)."""
+    return bool(_HUB_ID.match(name)) and Path(name).suffix.lower() not in _LOADERS and not os.path.exists(name)
 
 
 def check_dataset_source(dataset: str, key: str = "dataset", seq_len: int | None = None,
@@ -86,7 +86,7 @@ def check_dataset_source(dataset: str, key: str = "dataset", seq_len: int | None
         if vocab_size is not None and manifest["vocab_size"] > vocab_size:
             raise ValueError(f"{key} '{dataset}' was tokenized with {manifest['tokenizer']} ({manifest['vocab_size']} "
                              f"tokens), more than the model's vocab_size {vocab_size}")
-    if is_hub_dataset_id(dataset):
+    if is_hub_id(dataset):
         if hub_offline():
             raise FileNotFoundError(f"{key} '{dataset}' is not a local file/directory and the Hub is offline "
                                     "(HF_HUB_OFFLINE is set)")
@@ -105,7 +105,7 @@ def load_source(dataset: str, config_name: str | None = None, split: str = "trai
     `config_name` and `revision` apply to Hub ids."""
     from datasets import load_dataset
 
-    if is_hub_dataset_id(dataset):
+    if is_hub_id(dataset):
         return load_dataset(dataset, name=config_name, split=split, streaming=streaming, revision=revision)
     loader, files = resolve_dataset_files(dataset)
     check_not_empty(files, f"dataset '{dataset}'")
@@ -120,7 +120,7 @@ def read_failure(dataset: str, err: Exception) -> DataError:
     """The DataError for `err`, raised while loading or (streamed) reading `dataset`."""
     if isinstance(err, DataError):
         return err
-    if is_hub_dataset_id(dataset):
+    if is_hub_id(dataset):
         return DataError(f"dataset '{dataset}' could not be read ({type(err).__name__}: {err})")
     loader, files = resolve_dataset_files(dataset)
     return diagnose_load_failure(loader, files, f"dataset '{dataset}'", err)

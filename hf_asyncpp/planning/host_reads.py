@@ -21,7 +21,6 @@ a device one: only tensors made from host values count as uploads there).
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch

@@ -16,7 +16,7 @@ import pytest
 
 from hf_asyncpp.loop import MEASURED_KEYS
 from tests.ranks import run_ranks
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 
 SEQ, MBS, M, STEPS, AT = 16, 2, 4, 6, 3
 
@@ -354,7 +354,7 @@ def test_a_checkpoint_carries_transformers_trainer_state_and_a_resumed_run_conti
 
     model = small_model_config("tiny-qwen3-moe")
     model.vocab_size = 8192  # the built-in tokenizer's, which the checkpoint then carries
-    model.save_pretrained(tmp_path / "model")
+    save_model_dir(model, tmp_path / "model")
     rows = torch.randint(0, 8192, (40, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     settings = ["--model_config", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"),

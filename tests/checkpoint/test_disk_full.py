@@ -107,7 +107,10 @@ def _immutable(path, on: bool) -> bool:
 def test_an_output_dir_that_becomes_unwritable_stops_the_run_and_the_last_checkpoint_still_loads(tmp_path):
     _setup(tmp_path)
     out = tmp_path / "run"
-    run = subprocess.Popen(_command(tmp_path, out, "--max_steps", str(UNWRITABLE_STEPS)), stdout=subprocess.DEVNULL,
+    # Saves the run waits for: a checkpoint written in the background may complete just as the next save
+    # starts, leaving no moment to freeze the run between the two.
+    run = subprocess.Popen(_command(tmp_path, out, "--max_steps", str(UNWRITABLE_STEPS), "--checkpoint_async", "false"),
+                           stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
     try:
         deadline = time.time() + 300

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from hf_asyncpp.checkpoint.checkpoints import find_checkpoint, list_checkpoints, verify_checkpoint
 from tests.ranks import train_py
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 from tests.test_run import _env
 
 SEQ, MBS, M, STEPS, SAVE_EVERY = 16, 2, 4, 15, 3
@@ -37,7 +37,7 @@ SEQ, MBS, M, STEPS, SAVE_EVERY = 16, 2, 4, 15, 3
 def _setup(tmp_path):
     config = small_model_config("tiny-qwen3-moe")
     config.vocab_size = 8192  # the built-in tokenizer's
-    config.save_pretrained(tmp_path / "model")
+    save_model_dir(config, tmp_path / "model")
     rows = torch.randint(0, 8192, (STEPS * MBS * M, SEQ), generator=torch.Generator().manual_seed(0))
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows.tolist()))
 

@@ -95,3 +95,39 @@ def test_a_write_that_fails_on_one_rank_is_raised_on_every_rank_at_the_wait_and_
                                                "(OSError: [Errno 28] No space left on device")
         assert saved[rank]["error"].endswith("the previous checkpoint is kept")
         assert saved[rank]["leftovers"] == []  # no .partial directory
+
+
+@pytest.mark.multirank  # train.py processes
+def test_a_checkpoint_loads_with_from_pretrained_as_its_export_does(tmp_path):
+    """checkpoint_hf_weights (the default): the weights are written beside the state, so
+    `AutoModelForCausalLM.from_pretrained('…/checkpoint-N')` gives the logits of that checkpoint's
+    export (`hf-asyncpp export`); without them, the directory names the command."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_asyncpp.checkpoint import export_checkpoint
+
+    repo = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "training_scripts/train.py", "--config", "training_scripts/configs/tiny_moe.yaml",
+               "--seq_len", "32", "--n_microbatches", "2", "--micro_batch_size", "2", "--eval_fraction", "0",
+               "--max_steps", "2", "--save_steps", "2", "--save_final", "false", "--report_to", "none"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for out, extra in ((tmp_path / "with", []), (tmp_path / "without", ["--checkpoint_hf_weights", "false"])):
+        done = subprocess.run([*command, *extra, "--output_dir", str(out)], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = tmp_path / "with" / "checkpoint-2"
+    exported = export_checkpoint(checkpoint, tmp_path / "exported")
+    tokens = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        direct = AutoModelForCausalLM.from_pretrained(checkpoint)(tokens).logits
+        via_export = AutoModelForCausalLM.from_pretrained(exported)(tokens).logits
+    assert torch.equal(direct, via_export)
+    note = (tmp_path / "without" / "checkpoint-2" / "HOW_TO_LOAD.txt").read_text()
+    assert f"hf-asyncpp export {tmp_path / 'without' / 'checkpoint-2'} OUT_DIR" in note
+    assert not list((tmp_path / "without" / "checkpoint-2").glob("*.safetensors"))

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from tests.ranks import train_py
-from tests.test_engine import small_model_config
+from tests.test_engine import save_model_dir, small_model_config
 from tests.test_run import _env
 
 WORDS = "King Queen Duke Lord night sword crown blood heart love death honour fair sweet grave moon".split()
@@ -30,7 +30,7 @@ STEPS, STOP_SIGNALLED_AT = 10, 4
 def _setup(tmp_path):
     config = small_model_config("tiny-qwen3-moe")
     config.vocab_size = 8192  # the built-in tokenizer's
-    config.save_pretrained(tmp_path / "model")
+    save_model_dir(config, tmp_path / "model")
     rng = random.Random(0)
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -8,7 +8,7 @@ after a resume; and the planner refuses orders that would need a chunk buffer st
 from __future__ import annotations
 
 import pytest
-from torch.distributed.pipelining.schedules import RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, _Action
+from torch.distributed.pipelining.schedules import RECV_F, REDUCE_GRAD, SEND_B, SEND_F, _Action
 
 from hf_asyncpp.schedules import SCHEDULES, ScheduleError
 from hf_asyncpp.schedules.async_order import SegmentPrograms, replay_after
