@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import types
 import typing
@@ -14,8 +13,8 @@ from dataclasses import dataclass
 
 import yaml
 
-__all__ = ["ALIASES", "SECTIONS", "TRAINER_OPTIMIZERS", "CheckpointConfig", "ConfigError", "DataConfig", "ExportConfig",
-           "FailureConfig", "ModelConfig", "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig",
+__all__ = ["ALIASES", "SECTIONS", "STRATEGIES", "TRAINER_OPTIMIZERS", "CheckpointConfig", "ConfigError", "DataConfig",
+           "ExportConfig", "FailureConfig", "ModelConfig", "OptimizerConfig", "PipelineConfig", "RunConfig", "TrainConfig",
            "config_from_values", "load_config"]
 
 
@@ -148,8 +147,12 @@ class OptimizerConfig:
     lr_scheduler_type: str = _key("cosine", "any transformers scheduler name: linear, cosine, constant, "
                                   "constant_with_warmup, …")
     lr_scheduler_kwargs: dict | None = _key(None, "the schedule's own arguments (e.g. num_cycles, min_lr)")
-    warmup_steps: int = _key(0, "learning-rate warm-up steps")
+    warmup_steps: int = _key(0, "learning-rate warm-up steps (a value below 1 is a warmup_ratio)")
+    warmup_ratio: float = _key(0.0, "warm-up as a share of max_steps, rounded up (as Trainer takes it); not with "
+                               "warmup_steps")
     max_steps: int = _key(100, "optimizer steps")
+    num_train_epochs: float | None = _key(None, "passes over the training blocks instead of max_steps: max_steps "
+                                          "follows once the data is read (not for a streamed dataset)")
 
     @property
     def clips_by_global_norm(self) -> bool:
@@ -310,11 +313,20 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     # Each source under this project's names first: an override replaces the file's setting whatever its name.
     values = _our_names(_read_yaml(path) if path is not None else {})
     given = _our_names(_parse_overrides(list(overrides or [])))
-    # A batch size on the command line replaces the file's: global_batch_size and n_microbatches are one setting.
-    for one, other in (("global_batch_size", "n_microbatches"), ("n_microbatches", "global_batch_size")):
+    # A setting on the command line replaces the file's, under whichever of its keys each gives it.
+    for one, other, _ in _ONE_SETTING:
         if one in given:
             values.pop(other, None)
+        if other in given:
+            values.pop(one, None)
     return config_from_values({**values, **given})
+
+
+# Pairs of keys that set one thing two ways.
+_ONE_SETTING = [("global_batch_size", "n_microbatches",
+                 "global_batch_size sets n_microbatches from micro_batch_size and the dp size"),
+                ("num_train_epochs", "max_steps", "num_train_epochs sets max_steps from the data's length"),
+                ("warmup_ratio", "warmup_steps", "warmup_ratio sets warmup_steps from max_steps")]
 
 
 def _parse_overrides(tokens: list[str]) -> dict:
@@ -361,15 +373,33 @@ ALIASES = {
     "adam_beta1": ("momentum", None),
     "adam_beta2": ("beta2", None),
     "bf16": ("mixed_precision", lambda value: "bf16" if _parse_bool(value) else "no"),
-    "warmup_ratio": ("warmup_steps", None),  # a ratio below 1, made steps below
 }
+
+# TrainingArguments' when-to strategies: "steps" is what the *_steps key does; "no" turns evaluations and
+# saves during training off (evaluation still ends a run with a held-out set). Epoch-timed events are the
+# Trainer front end's.
+STRATEGIES = {"eval_strategy": "eval_steps", "save_strategy": "save_steps", "logging_strategy": "logging_steps"}
+
+
+def _strategies(values: dict) -> dict:
+    out = {}
+    for key, value in values.items():
+        if key not in STRATEGIES:
+            out[key] = value
+        elif value == "no" and key != "logging_strategy":
+            out[STRATEGIES[key]] = 0
+        elif value != "steps":
+            raise ConfigError(f"{key} {value!r}: train.py times events in steps, so give {STRATEGIES[key]} (with "
+                              f"{key} 'steps'{'' if key == 'logging_strategy' else ' or no'}); AsyncPPTrainer takes "
+                              "'epoch'")
+    return out
 
 
 def _our_names(values: dict) -> dict:
     """`values` under this project's keys: TrainingArguments' names translated (ALIASES); a setting given
     under two names with different values is a ConfigError."""
     ours, named = {}, {}
-    for key, value in values.items():
+    for key, value in _strategies(values).items():
         target, convert = ALIASES.get(key, (key, None))
         value = convert(value) if convert is not None and value is not None else value
         if target in ours and str(ours[target]) != str(value):
@@ -379,8 +409,9 @@ def _our_names(values: dict) -> dict:
     return ours
 
 
-def _warmup_ratio_as_steps(ours: dict) -> dict:
-    """A warm-up given as a ratio of max_steps (below 1, as Trainer takes it), made steps."""
+def _fractional_warmup_as_ratio(ours: dict) -> dict:
+    """A warmup_steps below 1 is a ratio of max_steps, as Trainer takes it (config_checks.resolve_schedule
+    makes it steps)."""
     warmup = ours.get("warmup_steps")
     if warmup is not None and not isinstance(warmup, bool):
         try:
@@ -388,8 +419,11 @@ def _warmup_ratio_as_steps(ours: dict) -> dict:
         except (TypeError, ValueError):
             ratio = None
         if ratio is not None and 0 < ratio < 1:
-            max_steps = int(ours.get("max_steps", _FIELDS["max_steps"].default))
-            ours["warmup_steps"] = math.ceil(ratio * max_steps)  # transformers' get_warmup_steps
+            del ours["warmup_steps"]
+            if "warmup_ratio" in ours and float(ours["warmup_ratio"]) != ratio:
+                raise ConfigError(f"warmup_ratio ({ours['warmup_ratio']}) and warmup_steps ({warmup}) set one setting "
+                                  "to two values: give one")
+            ours["warmup_ratio"] = ratio
     return ours
 
 
@@ -401,16 +435,16 @@ def config_from_values(values: dict) -> TrainConfig:
     """A TrainConfig from key → value (strings or typed values), under this project's names or
     TrainingArguments' (ALIASES); ConfigError for an unknown key or a value of the wrong type. Every
     front end builds its config through here."""
-    values = _warmup_ratio_as_steps(_our_names(values))
+    values = _fractional_warmup_as_ratio(_our_names(values))
     if isinstance(values.get("mixed_precision"), str):
         values["mixed_precision"] = _PRECISION_SPELLINGS.get(values["mixed_precision"], values["mixed_precision"])
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError("unknown config key(s): " + "; ".join(_with_suggestion(key) for key in unknown)
                           + " (`train.py --help` lists every key)")
-    if "global_batch_size" in values and "n_microbatches" in values:
-        raise ConfigError("global_batch_size and n_microbatches are both set: give one (global_batch_size sets "
-                          "n_microbatches from micro_batch_size and the dp size)")
+    for one, other, why in _ONE_SETTING:
+        if one in values and other in values:
+            raise ConfigError(f"{one} and {other} are both set: give one ({why})")
     return TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import re
 
@@ -17,7 +18,8 @@ from .models.recompute import CHECKPOINTING_MODES
 from .optim import OPTIMIZER_NAMES as OPTIMIZERS
 
 __all__ = ["OPTIMIZERS", "apply_launch_settings", "check_model_fits", "check_settings", "check_step_boundaries",
-           "build_model_config", "config_overrides", "fit_global_batch", "fit_to_one_process", "validate_config"]
+           "build_model_config", "config_overrides", "fit_global_batch", "fit_to_one_process", "resolve_schedule",
+           "validate_config"]
 
 logger = get_logger(__name__)
 
@@ -181,6 +183,9 @@ def _check_optimizer(config: OptimizerConfig) -> None:
     _require(config.ef_last_update in ("extrapolate", "plain"),
              f"unknown ef_last_update '{config.ef_last_update}'; choose extrapolate or plain")
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
+    _require(0 <= config.warmup_ratio < 1, f"warmup_ratio must lie in [0, 1), got {config.warmup_ratio}")
+    _require(not (config.warmup_ratio and config.warmup_steps),
+             "warmup_steps and warmup_ratio are both set: give one")
     _check_lr_schedule(config)
 
 
@@ -244,6 +249,10 @@ def check_settings(config: TrainConfig, world_size: int):
     for check in _SECTION_CHECKS:
         check(config)
     _check_resume(config)
+    if config.num_train_epochs is not None:
+        _require(config.num_train_epochs > 0, f"num_train_epochs must be > 0, got {config.num_train_epochs}")
+        _require(not config.streaming, "num_train_epochs needs the data's length, and a streamed dataset has none: "
+                                       "give max_steps")
     try:
         spec = get_schedule_spec(config.schedule)
     except ValueError as err:
@@ -370,6 +379,21 @@ def fit_global_batch(config: TrainConfig, world_size: int) -> None:
     config.n_microbatches = config.global_batch_size // per_microbatch
 
 
+def resolve_schedule(config: TrainConfig, steps_per_epoch: float | None = None) -> None:
+    """max_steps from num_train_epochs once the data's length (`steps_per_epoch`) is known, then a
+    warmup_ratio as steps, rounded up as transformers' get_warmup_steps rounds it. Before the data is
+    read a run given epochs keeps its ratio for this second call."""
+    if config.num_train_epochs is not None:
+        if steps_per_epoch is None:
+            return
+        _require(steps_per_epoch != float("inf"), "num_train_epochs needs the data's length, and a streamed dataset "
+                                                  "has none: give max_steps")
+        config.max_steps = max(1, math.ceil(config.num_train_epochs * steps_per_epoch))
+        config.num_train_epochs = None  # settled: a resume reads the steps, whatever the data has become
+    if config.warmup_ratio:
+        config.warmup_steps, config.warmup_ratio = math.ceil(config.warmup_ratio * config.max_steps), 0.0
+
+
 def config_overrides(text: str | None) -> dict:
     """`config_overrides` as {field: value}: `key=value` pairs separated by commas, as transformers'
     examples take them (`num_hidden_layers=8,rope_theta=1e6`); values read as YAML scalars."""
@@ -413,6 +437,7 @@ def validate_config(config: TrainConfig, world_size: int):
     from .models.presets import PRESETS
 
     fit_global_batch(config, world_size)
+    resolve_schedule(config)
     check_settings(config, world_size)
     if config.init_from is not None:
         offline = hub_offline()

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .config import ALIASES, SECTIONS, TRAINER_OPTIMIZERS
+from .config import ALIASES, SECTIONS, STRATEGIES, TRAINER_OPTIMIZERS
 
 __all__ = ["BEGIN_MARKER", "END_MARKER", "keys_help", "keys_reference", "update_reference"]
 
@@ -68,8 +68,11 @@ def keys_reference() -> str:
                              "the settings both have. A setting given under both names must have one value; on "
                              "the command line, either name replaces the file's. `optim` takes "
                              + ", ".join(f"`{name}`" for name in TRAINER_OPTIMIZERS) + "; `bf16: true` is "
-                             "`mixed_precision: bf16`; a `warmup_ratio`, or a `warmup_steps` below 1, is that "
-                             "share of max_steps (rounded up, as Trainer does).", "",
+                             "`mixed_precision: bf16`; a `warmup_steps` below 1 is a `warmup_ratio`. "
+                             "`num_train_epochs` and `warmup_ratio` are keys of their own (above). "
+                             + ", ".join(f"`{name}`" for name in STRATEGIES) + " take `steps` (what the "
+                             "`*_steps` key does) and, for evaluations and saves, `no` (`*_steps: 0`); events "
+                             "timed in epochs are AsyncPPTrainer's.", "",
                              "| TrainingArguments | here |", "|---|---|", *aliases]))
     return "\n\n".join(parts)
 

@@ -183,12 +183,12 @@ def checkpoint_model_card(run_state: dict, model_config, model_name: str) -> str
     pipeline_state.json keeps of the run; an evaluation counts only if it was at the checkpoint's step."""
     import dataclasses
 
-    from .config import TrainConfig, config_from_values
+    from .config import TrainConfig
     from .schedules import get_schedule_spec
 
-    # The stored config is the resolved one: n_microbatches is what ran, global_batch_size only set it.
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"global_batch_size"}
-    config = config_from_values({k: v for k, v in run_state["config"].items() if k in known})
+    # The stored config is the resolved one, typed (not input to read): the keys this version knows.
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = TrainConfig(**{k: v for k, v in run_state["config"].items() if k in known})
     step, last_eval = run_state["step"], run_state.get("last_eval")
     return run_model_card(config, model_config, (run_state["pp_size"], run_state["dp_size"]),
                           get_schedule_spec(config.schedule), run_state.get("last_record") or {},

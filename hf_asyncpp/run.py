@@ -72,6 +72,7 @@ def train(config, model_config, launch) -> dict:
     """Run training on this rank; returns the last logged record."""
     import torch.distributed as dist
 
+    from .config_checks import check_settings, resolve_schedule
     from .data import load_tokenizer, token_free_data, training_data
     from .engine import PipelineEngine
     from .loop import TrainingLoop, load_main_process_first
@@ -89,9 +90,14 @@ def train(config, model_config, launch) -> dict:
             reads = get_schedule_spec(config.schedule).reads_tokens(layout.pp_size, layout.pp_rank)
             data = load_main_process_first(layout, lambda: training_data(
                 config, tokenizer, layout.dp_rank, layout.dp_size, model_config.vocab_size) if reads else None)
-            held_out = [None if data is None or data.held_out is None else data.held_out.shape[0]]
-            dist.broadcast_object_list(held_out, group=layout.io_group, group_src=0)  # rank 0 reads tokens
-            data = data or token_free_data(config, held_out[0])
+            # Rank 0 reads tokens: the held-out size and the epoch's length for the ranks that hold none.
+            shapes = [None if data is None or data.held_out is None else data.held_out.shape[0],
+                      None if data is None else data.steps_per_epoch]
+            dist.broadcast_object_list(shapes, group=layout.io_group, group_src=0)
+            data = data or token_free_data(config, shapes[0])
+            if config.num_train_epochs is not None:  # max_steps from the data's length, as every rank sees it
+                resolve_schedule(config, shapes[1])
+                check_settings(config, layout.world_size)
             engine = PipelineEngine(config, model_config, layout)
             loop = TrainingLoop(config, model_config, layout, engine, data, tokenizer)
             if config.resume_from_checkpoint:
@@ -138,6 +144,10 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         if _is_reporting_rank() or isinstance(err, (PeerLostError, LocalFailure)):  # said by the rank concerned
             print(f"error: {err}", file=sys.stderr)
         return 1
+    except ConfigError as err:  # found once the data was read (its length for num_train_epochs), on every rank
+        if _is_reporting_rank():
+            print(f"error: {err}", file=sys.stderr)
+        return 2
     if "terminated_at" in record:
         return 0
     logger.info(f"done in {time.time() - start:.1f}s")

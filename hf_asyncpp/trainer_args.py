@@ -7,7 +7,7 @@ TrainingArguments is in `HONOURED` (works as in transformers.Trainer; how, in br
 (any value but the default is that ConfigError); docs/training_arguments.md lists both. In brief:
 
 - per_device_train_batch_size is the microbatch size; n_microbatches microbatches make one step on
-  each dp rank (the role gradient_accumulation_steps plays in Trainer, which must stay 1);
+  each dp rank (gradient_accumulation_steps is its other name; Trainer itself then sees 1);
 - `optim` names map onto the pipeline's optimizers (`optimizer` names them too; the two must agree);
   `momentum` (default: adam_beta1) is the optimizer's first-moment / momentum coefficient;
 - bf16 turns on bf16 compute with fp32 master weights; accelerate launch's mixed_precision is
@@ -35,6 +35,8 @@ HONOURED = {
     "output_dir": "checkpoints, metrics.jsonl and the final/ export",
     "per_device_train_batch_size": "the microbatch size; a step is n_microbatches of them on each dp rank",
     "num_train_epochs": "max_steps from epochs when max_steps is unset",
+    "gradient_accumulation_steps": "microbatches per pipeline step on each dp rank: n_microbatches (give one of the "
+                                   "two, or both with one value)",
     "max_steps": "steps (minibatches)",
     "learning_rate": "peak learning rate",
     "lr_scheduler_type": "transformers' schedules (not reduce_lr_on_plateau or greedy, which need a metric per step)",
@@ -113,7 +115,6 @@ SINCE_TRANSFORMERS_5_24 = ("activation_checkpointing", "activation_checkpointing
 _NO_DATALOADER = "rows come from the pipeline's sampler (hf_asyncpp/data), not a DataLoader"
 _NO_DDP = "there is no DDP: the pipeline's own process groups and FSDP2 over dp"
 REFUSED = {
-    "gradient_accumulation_steps": "a pipeline step already accumulates n_microbatches microbatches: set n_microbatches instead",
     "optim_args": "the optimizers take their settings from the arguments and pipeline_config",
     "optim_target_modules": "only GaLore / APOLLO use it, and they are not available",
     "label_smoothing_factor": "the pipeline's LM loss has no label smoothing",
@@ -234,6 +235,7 @@ class AsyncPPTrainingArguments(TrainingArguments):
         from .parallel.launch import LaunchError, read_launch
 
         _refuse_unsupported(self)
+        self._accumulation_as_microbatches()
         try:
             self.launch = read_launch()
         except LaunchError as err:
@@ -249,6 +251,17 @@ class AsyncPPTrainingArguments(TrainingArguments):
         self.pipeline = self.to_train_config()
         check_settings(self.pipeline, self.launch.world_size)
         super().__post_init__()
+
+    def _accumulation_as_microbatches(self) -> None:
+        """gradient_accumulation_steps is n_microbatches under Trainer's name. The pipeline accumulates
+        them within its step, so Trainer itself (its accelerator, its logged batch) sees 1."""
+        accumulation = self.gradient_accumulation_steps
+        if accumulation == 1:
+            return
+        if self.n_microbatches not in (accumulation, _TRAIN_CONFIG_FIELDS["n_microbatches"].default):
+            raise ConfigError(f"n_microbatches ({self.n_microbatches}) and gradient_accumulation_steps "
+                              f"({accumulation}) set one setting to two values: give one")
+        self.n_microbatches, self.gradient_accumulation_steps = accumulation, 1
 
     @property
     def place_model_on_device(self) -> bool:
@@ -285,7 +298,8 @@ class AsyncPPTrainingArguments(TrainingArguments):
         if seq_len or self.seq_len:
             values["seq_len"] = seq_len or self.seq_len
         extra = dict(self.pipeline_config or {})
-        clashes = sorted(set(extra) & (set(values) | {"logging_steps", "eval_steps", "save_steps", "warmup_steps"}))
+        clashes = sorted(set(extra) & (set(values) | {"logging_steps", "eval_steps", "save_steps", "warmup_steps", "warmup_ratio",
+                                                "num_train_epochs"}))
         if clashes:
             raise ConfigError(f"pipeline_config sets {', '.join(clashes)}, which are training arguments: set them there")
         if "global_batch_size" in extra:  # it sets n_microbatches (config_checks.fit_global_batch)

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from hf_asyncpp.config import SECTIONS, ConfigError, TrainConfig, load_config
-from hf_asyncpp.config_checks import validate_config
+from hf_asyncpp.config_checks import check_settings, resolve_schedule, validate_config
 from hf_asyncpp.run import main
 from tests.test_engine import save_model_dir
 
@@ -337,12 +337,47 @@ def test_a_yaml_in_trainer_s_names_is_the_same_run_as_one_in_ours(tmp_path):
                                            "optim: adamw_torch\nadam_beta1: 0.8\nadam_beta2: 0.95\nbf16: true\n"
                                            "max_steps: 50\nwarmup_ratio: 0.1\n")
     (tmp_path / "fraction.yaml").write_text("max_steps: 50\nwarmup_steps: 0.1\n")  # a ratio, as Trainer takes it
-    assert load_config(str(tmp_path / "trainer.yaml")) == load_config(str(tmp_path / "ours.yaml"))
-    assert load_config(str(tmp_path / "fraction.yaml")).warmup_steps == 5
+
+    def resolved(path, overrides=()):
+        config = load_config(str(path), list(overrides))
+        resolve_schedule(config)  # the ratio made steps, as validate_config does
+        return config
+
+    assert resolved(tmp_path / "trainer.yaml") == resolved(tmp_path / "ours.yaml")
+    assert resolved(tmp_path / "fraction.yaml").warmup_steps == 5
     assert load_config(None, ["--per_device_train_batch_size", "2"]).micro_batch_size == 2
     # the command line replaces the file's setting, whichever name each gives it
     assert load_config(str(tmp_path / "ours.yaml"), ["--per_device_train_batch_size", "2"]).micro_batch_size == 2
-    assert load_config(str(tmp_path / "fraction.yaml"), ["--max_steps", "200"]).warmup_steps == 20
+    assert resolved(tmp_path / "fraction.yaml", ["--max_steps", "200"]).warmup_steps == 20
+    assert resolved(tmp_path / "ours.yaml", ["--warmup_ratio", "0.5"]).warmup_steps == 25
+
+
+def test_trainer_s_strategies_in_steps_map_onto_the_step_keys_and_epoch_timing_is_refused(tmp_path):
+    config = load_config(None, ["--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "10",
+                                "--logging_strategy", "steps"])
+    assert (config.eval_steps, config.save_steps, config.logging_steps) == (0, 10, 1)
+    assert load_config(None, ["--save_strategy", "no"]).save_steps == 0
+    for key in ("eval_strategy", "save_strategy", "logging_strategy"):
+        with pytest.raises(ConfigError, match=rf"^{key} 'epoch': train.py times events in steps.*AsyncPPTrainer"):
+            load_config(None, [f"--{key}", "epoch"])
+    with pytest.raises(ConfigError, match="logging_strategy 'no'"):
+        load_config(None, ["--logging_strategy", "no"])
+
+
+def test_epochs_and_steps_are_one_setting_and_epochs_wait_for_the_data(tmp_path):
+    (tmp_path / "steps.yaml").write_text("max_steps: 50\n")
+    (tmp_path / "both.yaml").write_text("max_steps: 50\nnum_train_epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"^num_train_epochs and max_steps are both set: give one"):
+        load_config(str(tmp_path / "both.yaml"))
+    config = load_config(str(tmp_path / "steps.yaml"), ["--num_train_epochs", "2.5", "--warmup_ratio", "0.1"])
+    resolve_schedule(config)  # before the data: nothing known yet, the ratio kept
+    assert (config.num_train_epochs, config.warmup_ratio, config.warmup_steps) == (2.5, 0.1, 0)
+    resolve_schedule(config, steps_per_epoch=7.5)  # 2.5 × 7.5 = 18.75 → 19 steps, 10% → 2 warm-up steps
+    assert (config.max_steps, config.warmup_steps, config.num_train_epochs, config.warmup_ratio) == (19, 2, None, 0)
+    with pytest.raises(ConfigError, match="a streamed dataset has none: give max_steps"):
+        check_settings(load_config(None, ["--num_train_epochs", "1", "--streaming", "true"]), 1)
+    with pytest.raises(ConfigError, match="warmup_ratio and warmup_steps are both set"):
+        load_config(str(tmp_path / "steps.yaml"), ["--warmup_steps", "3", "--warmup_ratio", "0.2"])
 
 
 def test_one_setting_under_two_names_with_two_values_is_refused(tmp_path):

@@ -233,3 +233,23 @@ def test_pipedream_2bw_run_follows_the_one_step_delayed_recursion(tmp_path, laun
     _check_run(out, losses, model, n_ranks=2 if launch.startswith("torchrun") else 1, delay=1)
     if launch.startswith("torchrun"):
         _check_closing_lines(proc.stderr, out, "pipedream-2bw", flushed="1f1b")
+
+
+def test_epochs_and_a_warmup_ratio_become_steps_once_the_data_is_read(tmp_path):
+    """num_train_epochs 1 over 29 blocks at 8 a step is ceil(3.625) = 4 steps, and a warmup_ratio of 0.5
+    of them is 2 (rounded up, as Trainer does): the same run as max_steps 4, warmup_steps 2."""
+    _setup(tmp_path)
+
+    def run(out, *schedule):
+        overrides = _overrides(tmp_path, out)
+        cut = overrides.index("--warmup_steps")
+        overrides = overrides[:cut] + overrides[cut + 4:]  # --warmup_steps 1 --max_steps N
+        proc = subprocess.run([sys.executable, *TRAIN, *overrides, *schedule], capture_output=True, text=True,
+                              env=_env(), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    by_epochs = run(tmp_path / "epochs", "--num_train_epochs", "1", "--warmup_ratio", "0.5")
+    by_steps = run(tmp_path / "steps", "--max_steps", "4", "--warmup_steps", "2")
+    assert [r["step"] for r in by_epochs] == [1, 2, 3, 4]
+    assert [(r["loss"], r["learning_rate"]) for r in by_epochs] == [(r["loss"], r["learning_rate"]) for r in by_steps]

@@ -321,7 +321,8 @@ BAD_ARGUMENTS = {
     "wrong type": (dict(pp_size="two"), "'pp_size' expects int, got 'two'"),
     "negative learning rate": (dict(learning_rate=-1e-3), "learning_rate must be positive"),
     "unknown schedule": (dict(schedule="pipedream-3bw"), "pipedream-3bw"),
-    "gradient accumulation": (dict(gradient_accumulation_steps=4), "set n_microbatches instead"),
+    "accumulation and microbatches disagree": (dict(gradient_accumulation_steps=4, n_microbatches=2),
+                                               "n_microbatches \\(2\\) and gradient_accumulation_steps \\(4\\)"),
 }
 
 

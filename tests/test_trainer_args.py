@@ -162,3 +162,12 @@ def test_a_global_batch_size_in_pipeline_config_sets_the_microbatches(tmp_path, 
     config = _args(tmp_path, pp_size=2, per_device_train_batch_size=2,
                    pipeline_config={"global_batch_size": 24}).to_train_config()
     assert (config.micro_batch_size, config.n_microbatches, config.global_batch_size) == (2, 6, 24)
+
+
+def test_gradient_accumulation_steps_is_the_microbatches_of_a_pipeline_step(tmp_path):
+    """Trainer's name for n_microbatches: the pipeline accumulates them inside its step, so Trainer's own
+    loop machinery (its accelerator, its logged batch) is left at 1; the same value under both names is one
+    setting."""
+    args = _args(tmp_path, gradient_accumulation_steps=4)
+    assert (args.to_train_config().n_microbatches, args.gradient_accumulation_steps) == (4, 1)
+    assert _args(tmp_path, gradient_accumulation_steps=3, n_microbatches=3).to_train_config().n_microbatches == 3
