@@ -9,17 +9,12 @@ momentum value the grid runs, one *effect*: a difference of final validation los
 an arm's loss minus the sync arm's of the same optimizer, momentum and seed; the delayed mode the claims
 about optimizers and EF use is PipeDream-2BW at the grid's smallest depth.
 
-The verdict, one rule for every effect: with n ≥ 2 seeds the effect counts when its mean differs from the
-claim's tolerance t (0 unless stated) by more than the two-sided 95% Student-t bound, t(n − 1) · sd / √n
-(a paired t-test of effect − t):
-- a claim that the effect exceeds t is `reproduced` when the mean is above t + bound, `opposite` when
-  below t − bound, else `not beyond noise`;
-- a claim that it does not exceed t (a gap that does not grow, t = 0; a delayed run with EF that matches
-  sync, t = the reference's own largest gap with EF at 360M, +0.028 [S1]) is `not reproduced` when the mean is
-  above t + bound, `reproduced` when it is at most t, else (a mean above t the seeds cannot tell from it:
-  two seeds rarely can) `not beyond noise`.
-One seed has no spread: the verdict then says only whether the mean is on the predicted side of t
-(`agrees (1 seed)`).
+Each claim names the rule its verdict follows (inference.py): a claim of an effect (a gap that grows,
+one optimizer's gap above another's) the paired t-test against 0; a claim that two things match (a delayed
+run with EF and sync; 2BW's gap at two depths) an equivalence test, TOST at 95%, within the reference's own
+largest gap with EF at 360M, +0.028 [S1]; a claim that EF removes a share of the gap the lines' shares
+pooled, the line a random effect, with their 95% interval. One seed has no spread: the verdict then says
+only whether the mean is on the predicted side (`agrees (1 seed)`).
 
 Two claims carry a caveat the verdicts print: PipeDream-2BW's gap not growing with depth is true by
 construction in the emulator (every stage, at every depth, applies the same one-step-delayed update), so
@@ -33,51 +28,24 @@ from the claims and the verdicts table.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .grid import Study, mode_name
+from .inference import PAIRED, POOLED, TOST, equivalence_verdict, paired_verdict, pooled_share
 from .reference import (FINDINGS, MATCH_TOLERANCE, NAMES, RUNS_10B, RUNS_360M, REPORTED_SHARES, Published,
                         share_shown, where_of)
 from .results import ef_share
 
-__all__ = ["CLAIMS", "COMPARISONS", "Caveat", "Claim", "Effect", "Grid", "Judged", "std", "verdict"]
-
-# Two-sided 95% quantiles of Student's t, by degrees of freedom (seeds − 1), to 3 decimals.
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def _t95(df: int) -> float:
-    """The two-sided 95% t quantile: the table, and beyond it the expansion about the normal quantile
-    (Abramowitz & Stegun 26.7.5, three terms): within 5e-4 of the exact quantile everywhere."""
-    if df in _T95:
-        return _T95[df]
-    z = 1.959964
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-
-
-def verdict(values: list[float], expect_positive: bool, tolerance: float = 0.0) -> str:
-    """The verdict on an effect's per-seed values against the claim's tolerance (the module's rule)."""
-    if not values:
-        return "not measured yet"
-    excess = statistics.fmean(values) - tolerance
-    if len(values) == 1:
-        agrees = excess > 0 if expect_positive else excess <= 0
-        return "agrees (1 seed)" if agrees else "disagrees (1 seed)"
-    bound = _t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    if expect_positive:
-        return "reproduced" if excess > bound else "opposite" if excess < -bound else "not beyond noise"
-    return "not reproduced" if excess > bound else "reproduced" if excess <= 0 else "not beyond noise"
-
+__all__ = ["CLAIMS", "COMPARISONS", "Caveat", "Claim", "Effect", "Grid", "Judged", "std"]
 
 @dataclass(frozen=True)
 class Effect:
     subject: str  # what is compared, e.g. "adamw − muon, momentum 0.9"
     values: list[float]  # per seed, paired
     measured: str  # what the arms show, in the claim's own terms
+    gaps: tuple[list[float], list[float]] | None = None  # a share's line: per-seed gaps without, with EF
 
 
 class Grid:
@@ -163,7 +131,7 @@ def _ef_removes_half(g: Grid) -> list[Effect]:
                 removed = ef_share(mean_off, mean_on)
                 share = "no gap to remove" if removed is None else f"{removed:.0%}"
                 shown = f"{share} (gap {mean_off:+.3f} → {mean_on:+.3f})"
-            effects.append(Effect(f"{o}, momentum {m:g}", values, shown))
+            effects.append(Effect(f"{o}, momentum {m:g}", values, shown, (list(off.values()), list(on.values()))))
     return effects
 
 
@@ -250,47 +218,45 @@ class Claim:
     statement: str
     published: str
     effect: str  # the per-seed difference its effects measure
-    expect_positive: bool  # the claim predicts its effects > tolerance (else: not > tolerance)
+    rule: str  # inference.PAIRED (an effect > 0), TOST (a match within ±tolerance) or POOLED (a share)
     effects: Callable[[Grid], list[Effect]]
-    tolerance: Published | None = None  # how far the effect may exceed 0 and the claim still hold
+    tolerance: Published | None = None  # TOST's margin
     caveat: Callable[[Grid], Caveat | None] = lambda grid: None
+    share: float = 0.5  # POOLED: the share claimed
 
     @property
     def unpublished(self) -> bool:
         """A comparison without a published result (COMPARISONS): its verdicts read "holds"."""
         return not self.published
 
-    @property
-    def threshold(self) -> float:
-        return self.tolerance.value if self.tolerance else 0.0
-
 
 _DEPTHS = f"{_sourced(FINDINGS['depth_shown'])}, no numbers"
 CLAIMS = [
     Claim("a one-step delay costs AdamW far more than Muon and SOAP",
           f"gap: {_published_gaps('delayed')}",
-          "AdamW's gap − the other's", True, _optimizer_gaps),
+          "AdamW's gap − the other's", PAIRED, _optimizer_gaps),
     Claim("with Error Feedback the delayed run matches the synchronous one",
           f"gap with EF: {_published_gaps('ef')}; 10B MoE, Muon: {RUNS_10B.gap('ef').cited} "
           f"({RUNS_10B.ef.cited} with EF, {RUNS_10B.sync.cited} sync; {RUNS_10B.ef.where})",
-          "the gap with EF", False, _ef_matches_sync, tolerance=MATCH_TOLERANCE),
+          "the gap with EF", TOST, _ef_matches_sync, tolerance=MATCH_TOLERANCE),
     Claim("Error Feedback removes at least half of the gap",
           _per_optimizer({o: share_shown(o) for o in REPORTED_SHARES}, list(REPORTED_SHARES.values()))
           + f"; across optimizers {_sourced(FINDINGS['ef_share_range'])}",
-          "½ · the gap without EF − the gap with EF", True, _ef_removes_half),
+          "½ · the gap without EF − the gap with EF", POOLED, _ef_removes_half),
     Claim("a higher momentum tolerates the delay better",
           f"the gap at a higher momentum: {_sourced(FINDINGS['momentum'])}, no numbers",
-          "the gap at the lower momentum − at the higher", True, _momentum),
+          "the gap at the lower momentum − at the higher", PAIRED, _momentum),
     Claim("PipeDream-2BW's gap does not grow with the pipeline's depth",
           f"{FINDINGS['depth_2bw'].cited} up to {_DEPTHS}",
-          "the gap at the largest depth − at the smallest", False, _growth_with_depth("pipedream-2bw"),
+          "the gap at the largest depth − at the smallest", TOST, _growth_with_depth("pipedream-2bw"),
+          tolerance=MATCH_TOLERANCE,
           caveat=lambda grid: BY_CONSTRUCTION if grid.launch == "emulator" else None),
     Claim("PipeDream's gap grows with the pipeline's depth",
           f"{FINDINGS['depth_pipedream'].cited}, shown at {_DEPTHS}",
-          "the gap at the largest depth − at the smallest", True, _growth_with_depth("pipedream")),
+          "the gap at the largest depth − at the smallest", PAIRED, _growth_with_depth("pipedream")),
     Claim("at equal depth PipeDream's gap exceeds PipeDream-2BW's",
           f"PipeDream's {FINDINGS['depth_pipedream'].cited}, 2BW's {FINDINGS['depth_2bw'].cited}, at {_DEPTHS}",
-          "PipeDream's gap − PipeDream-2BW's, at the largest depth both run", True, _pipedream_against_2bw,
+          "PipeDream's gap − PipeDream-2BW's, at the largest depth both run", PAIRED, _pipedream_against_2bw,
           caveat=lambda grid: CONFOUNDED),
 ]
 
@@ -298,9 +264,10 @@ CLAIMS = [
 # it compares (docs/studies.md). They follow the claims' rule; "holds" reads its "reproduced".
 COMPARISONS = [
     Claim("a synchronous start leaves a smaller gap than delays from the first step", "",
-          "the gap delayed from the first step − the gap after a sync start", True, _sync_start_against_delays),
+          "the gap delayed from the first step − the gap after a sync start", PAIRED, _sync_start_against_delays),
     Claim("Error Feedback leaves a smaller gap than a synchronous start", "",
-          "the gap after a sync start − the gap delayed from the first step with EF", True, _sync_start_against_ef),
+          "the gap after a sync start − the gap delayed from the first step with EF", PAIRED,
+          _sync_start_against_ef),
 ]
 _COMPARISON_WORDS = {"reproduced": "holds", "agrees (1 seed)": "holds (1 seed)",
                      "disagrees (1 seed)": "does not hold (1 seed)"}
@@ -319,23 +286,40 @@ class Judged:
         self.claim, self.effects, self.caveat = claim, claim.effects(grid), claim.caveat(grid)
 
     def verdict(self, values: list[float]) -> str:
+        """An effect's verdict: TOST for a match; otherwise the paired test against 0 (for a share, the
+        line's own check that EF removes more than half, beside the pooled verdict)."""
         if values and self.caveat and self.caveat.replaces_verdict:
             return self.caveat.label
-        said = verdict(values, self.claim.expect_positive, self.claim.threshold)
+        if self.claim.rule == TOST:
+            said = equivalence_verdict(values, self.claim.tolerance.value)
+        else:
+            said = paired_verdict(values)
         return _COMPARISON_WORDS.get(said, said) if self.claim.unpublished else said
 
+    def pooled(self):
+        """POOLED: the lines' shares pooled (inference.Pooled), None before a line has a gap to remove."""
+        return pooled_share([e.gaps for e in self.effects if e.gaps])
+
     def verdicts(self) -> str:
-        """The tally of its effects' verdicts, after what qualifies them all: the tolerance they are judged
-        against (0 for a claim of an effect) and a caveat that leaves them their verdict; none before an
-        effect is measured, or where a caveat replaces the verdicts."""
+        """The claim's verdict, after the rule (and margin, and caveat) it is read under: for a share the
+        pooled one; otherwise the tally of its effects' verdicts. Only the tally before an effect is
+        measured, or where a caveat replaces the verdicts."""
         tally = _tally([self.verdict(e.values) for e in self.effects])
         if not any(e.values for e in self.effects) or (self.caveat and self.caveat.replaces_verdict):
             return tally
-        qualifiers = [f"tolerance {self.claim.tolerance.cited if self.claim.tolerance else 0}",
+        if self.claim.rule == POOLED:
+            pooled = self.pooled()
+            if pooled is None:
+                return f"{POOLED}: no gap to remove"
+            return f"{POOLED}: share {pooled.shown()}, claimed ≥ {self.claim.share:.0%}: {pooled.verdict(self.claim.share)}"
+        qualifiers = [self.claim.rule, *([f"margin ±{self.claim.tolerance.cited.lstrip('+')}"] if self.claim.rule == TOST else []),
                       *([self.caveat.label] if self.caveat else [])]
         return f"{'; '.join(qualifiers)}: {tally}"
 
     def prediction(self) -> str:
-        sign = ">" if self.claim.expect_positive else "not >"
-        threshold = f"{self.claim.tolerance.cited} (the tolerance)" if self.claim.tolerance else "0"
-        return f"{'holds when' if self.claim.unpublished else 'predicted'} {sign} {threshold}"
+        if self.claim.rule == TOST:
+            return f"predicted within ±{self.claim.tolerance.cited.lstrip('+')} (the margin; {TOST})"
+        if self.claim.rule == POOLED:
+            return (f"predicted > 0 in each line ({PAIRED}), and the share pooled over lines ≥ "
+                    f"{self.claim.share:.0%} ({POOLED})")
+        return f"{'holds when' if self.claim.unpublished else 'predicted'} > 0 ({PAIRED})"

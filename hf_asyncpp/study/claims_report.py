@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from .claims import CLAIMS, COMPARISONS, Claim, Effect, Grid, Judged, std
+from .inference import PAIRED, POOLED, TOST
 from .grid import Study
 from .reference import NAMES, RUNS_360M, grade_legend, share_notes
 from .results import markdown_head, markdown_row, seeds_label, spread
@@ -52,17 +53,25 @@ def _notes(judged: list[Judged], protocols: dict[str, str] | None = None) -> lis
     contradicted shares, the tolerance, the caveats."""
     notes = [*(f"Protocol `{name}`: {meaning}" for name, meaning in (protocols or {}).items()), grade_legend(),
              *share_notes()]
-    if any(not j.claim.tolerance and j.effects for j in judged):
-        notes.append("A claim of an effect is judged against a tolerance of 0: reproduced when the effect's mean "
-                     "over seeds exceeds 0 by more than the 95% t bound (t(n − 1) · sd / √n over n seeds), opposite "
-                     "when it lies that far below 0, else not beyond noise; from one seed only its sign is read "
-                     "(agrees / disagrees).")
+    rules = {j.claim.rule for j in judged if j.effects}
+    if PAIRED in rules:
+        notes.append(f"{PAIRED} (a claim of an effect): reproduced when the effect's mean over seeds exceeds 0 by "
+                     "more than the 95% t bound (t(n − 1) · sd / √n over n seeds), opposite when it lies that far "
+                     "below 0, else not beyond noise; from one seed only its sign is read (agrees / disagrees).")
+    if TOST in rules:
+        notes.append(f"{TOST} (a claim that two things match, within the margin ±m): reproduced when the mean's "
+                     "one-sided 95% bounds (mean ± t₀.₉₅(n − 1) · sd / √n) both lie inside (−m, m); not reproduced "
+                     "when the mean is beyond ±m by more than the two-sided 95% bound; else not shown: the seeds "
+                     "tell neither.")
+    if POOLED in rules:
+        notes.append(f"{POOLED} (a claim that EF removes a share of the gap): each line (optimizer, momentum) gives "
+                     "1 − its mean gap with EF / its mean gap without, the line is a random effect, and the pooled "
+                     "share is the lines' mean with its 95% t interval over lines; reproduced when the interval lies "
+                     "above the claimed share, opposite when below, else not beyond noise.")
     for j in judged:
-        if j.claim.tolerance:
-            notes.append(f"\"{j.claim.statement}\" is judged against a tolerance of {j.claim.tolerance.cited}, "
-                         f"{j.claim.tolerance.what}: reproduced when the effect's mean over seeds "
-                         "is at most it, not reproduced when it exceeds it by more than the 95% t bound, else not "
-                         "beyond noise (a tolerance of 0 would fail the reference's own result).")
+        if j.claim.tolerance and j.effects:
+            notes.append(f"\"{j.claim.statement}\" is judged with a margin of {j.claim.tolerance.cited}, "
+                         f"{j.claim.tolerance.what} (a margin of 0 could never be shown).")
         if j.caveat and j.effects:
             notes.append(f"\"{j.claim.statement}\": {j.caveat.label}: {j.caveat.reason}.")
     return ["", *(f"- {note}" for note in notes)]
@@ -117,9 +126,9 @@ def claims_markdown(study: Study, losses: dict[tuple, dict[int, float]]) -> str:
     grid = Grid(study, losses)
     judged = [Judged(claim, grid) for claim in CLAIMS]
     lines = ["The reference study's claims against this grid's finished arms (rule: hf_asyncpp/study/claims.py).",
-             "An effect is a per-seed difference of final validation losses; with several seeds it counts when",
-             "its mean differs from the claim's tolerance (0 unless stated) by more than the two-sided 95%",
-             "Student-t bound of a paired test.", "",
+             "An effect is a per-seed difference of final validation losses; each claim's verdict names its",
+             "rule (hf_asyncpp/study/inference.py): a paired t-test, an equivalence test (TOST) or a share",
+             "pooled over lines.", "",
              *_verdict_rows({None: judged}), *_notes(judged), *_effect_tables(judged)]
     compared = [j for j in (Judged(comparison, grid) for comparison in COMPARISONS) if j.effects]
     if compared:
