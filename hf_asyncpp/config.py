@@ -138,8 +138,10 @@ class OptimizerConfig:
     ef: bool = _key(False, "Error Feedback: apply u + ef_lambda·(u − u_prev) instead of the optimizer's update u")
     ef_lambda: float = _key(1.0, "the Error Feedback weight λ (0 is exactly the plain optimizer)")
     ef_last_update: str = _key("extrapolate", "the run's last update of each stage under Error Feedback: extrapolate "
-                               "(as every other) or plain (the optimizer's update u alone, so the final weights, which "
-                               "the final evaluation and the export read, lie on the trajectory); no effect without ef")
+                               "(as every other: the final weights, which the final evaluation and the export read, "
+                               "lie one extrapolated step past the trajectory of the optimizer's updates) or "
+                               "trajectory (the last takes the previous extrapolation back: they lie on it); no "
+                               "effect without ef")
     max_grad_norm: float = _key(1.0, "clip the gradient being applied to this L2 norm (see grad_clip_scope); 0 disables")
     grad_clip_scope: str = _key("global", "global: by the norm over all stages and dp ranks, every schedule; stage: an "
                                 "asynchronous schedule clips each stage by its own norm (its stages never wait for "

@@ -180,8 +180,10 @@ def _check_optimizer(config: OptimizerConfig) -> None:
     _require(config.ef_lambda >= 0, f"ef_lambda must be >= 0, got {config.ef_lambda}")
     # Accepted without ef too (it changes nothing there: every update is the optimizer's alone), so that one
     # study base sets it over arms with and without Error Feedback.
-    _require(config.ef_last_update in ("extrapolate", "plain"),
-             f"unknown ef_last_update '{config.ef_last_update}'; choose extrapolate or plain")
+    _require(config.ef_last_update in ("extrapolate", "trajectory"),
+             f"unknown ef_last_update '{config.ef_last_update}'; choose extrapolate or trajectory"
+             + (" (plain, the optimizer's update alone, ended one older update off the trajectory)"
+                if config.ef_last_update == "plain" else ""))
     _require(config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}")
     _require(0 <= config.warmup_ratio < 1, f"warmup_ratio must lie in [0, 1), got {config.warmup_ratio}")
     _require(not (config.warmup_ratio and config.warmup_steps),

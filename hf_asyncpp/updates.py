@@ -74,7 +74,7 @@ class Updater:
         # Updates skipped (non-finite norm) so far: the LR schedule does not count them, the run's length does.
         # A checkpoint keeps it (checkpoint/training_state.py), as it keeps the schedule.
         self.skipped_updates = 0
-        self.plain_last_update = config.ef and config.ef_last_update == "plain"
+        self.trajectory_last_update = config.ef and config.ef_last_update == "trajectory"
 
     @property
     def next_update_is_last(self) -> bool:
@@ -86,8 +86,8 @@ class Updater:
     @property
     def extrapolates_next_update(self) -> bool:
         """Whether Error Feedback applies its extrapolation λ(u_t − u_{t−1}) to the next update: always, but
-        to the run's last under ef_last_update plain (then the final weights lie on the trajectory)."""
-        return not (self.plain_last_update and self.next_update_is_last)
+        to the run's last under ef_last_update trajectory (then the final weights lie on the trajectory)."""
+        return not (self.trajectory_last_update and self.next_update_is_last)
 
 
 class _Held:
@@ -261,7 +261,7 @@ class Updates:
         """Clip to max_grad_norm by `norm` and step the optimizer (through `stepper`: the emulator's,
         when emulating) and the LR schedule; a non-finite `norm` skips the update (the pipeline still
         publishes its unchanged master as the next version, and the emulator counts one); the run's last
-        update leaves Error Feedback's extrapolation out under ef_last_update plain (the decision:
+        update takes Error Feedback's extrapolation back under ef_last_update trajectory (the decision:
         Updater.extrapolates_next_update). Returns whether the update was applied."""
         stepper = stepper or updater.stepper
         if not math.isfinite(norm.value):

@@ -138,7 +138,7 @@ BAD_INPUTS = {
     "empty shuffle window": (["--shuffle_window", "0"], 2, "shuffle_window must be at least 1, got 0"),
     "SOAP rotating no side": (["--soap_max_precond_dim", "-1"], 2, "soap_max_precond_dim must be at least 1 .*got -1"),
     "unknown end of Error Feedback": (["--ef", "true", "--ef_last_update", "drop"], 2,
-                                      "unknown ef_last_update 'drop'; choose extrapolate or plain"),
+                                      "unknown ef_last_update 'drop'; choose extrapolate or trajectory"),
     "Muon pattern not a regex": (["--optimizer", "muon", "--muon_adamw_patterns", "lm_head,(unclosed"], 2,
                                  "muon_adamw_patterns: '\\(unclosed' is not a regular expression"),
     "bf16 without FSDP": (["--mixed_precision", "bf16", "--fsdp", "false"], 2, "mixed_precision bf16 is applied by FSDP2"),

@@ -116,7 +116,8 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
     current weights. `clip` (scope, max_grad_norm): torch.optim.SGD instead, the gradient clipped
     first by torch's clip_grad_norm_ over the whole model ("global") or over each stage's part
     ("stage"). `ef_last_update`: Error Feedback's formula on top (the weights move by u_t + λ(u_t − u_{t−1}),
-    u the optimizer's update, λ EF_LAMBDA), the run's last unit by u_t alone if "plain" (None: no EF).
+    u the optimizer's update, λ EF_LAMBDA); with "trajectory" the run's last unit sets the weights to the
+    trajectory of the updates alone, z_0 − Σ u_t, kept apart from the EF weights (None: no EF).
     Returns (per-step mean LM losses, final named parameters)."""
     import torch
     from transformers import Trainer
@@ -146,6 +147,7 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
     history = [{n: p.detach().clone() for n, p in current.named_parameters()}]  # history[v]: after v updates
     units_per_step = M if per_microbatch else 1
     previous_update = {n: torch.zeros_like(p) for n, p in current.named_parameters()}  # EF's u_{t−1}
+    trajectory = {n: p.detach().clone() for n, p in current.named_parameters()}  # z_t: the updates alone
     losses = []
     for k, rows in enumerate(_rows(current.config.vocab_size)):
         microbatches = rows.chunk(M)
@@ -172,7 +174,10 @@ def replay(n_stages: int, delay_of_stage, per_microbatch: bool, sync_steps: int 
             with torch.no_grad():
                 for name, param in current.named_parameters() if ef_last_update else ():
                     update = history[-1][name] - param  # u_t: the weights before the step minus after it
-                    if not (last_unit and ef_last_update == "plain"):
+                    trajectory[name].sub_(update)
+                    if last_unit and ef_last_update == "trajectory":
+                        param.copy_(trajectory[name])
+                    else:
                         param.sub_(update - previous_update[name], alpha=EF_LAMBDA)
                     previous_update[name] = update
             history.append({n: p.detach().clone() for n, p in current.named_parameters()})

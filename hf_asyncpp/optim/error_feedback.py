@@ -5,10 +5,11 @@ x_t − x_t') and u_{t−1} the previous one (0 at first), the weights move by
 
     u_t + λ (u_t − u_{t−1})
 
-instead of u_t. With λ = 1 under a one-step delay the stored weights become a linear extrapolation
-of the un-delayed trajectory, x_{t+1} = x_t − 2u_{t−1} + u_{t−2} (docs/ARCHITECTURE.md, "Update semantics").
-`step(extrapolate=False)` moves them by u_t alone (a run's last update, under `ef_last_update: plain`,
-so that the final weights lie on the trajectory instead of one extrapolated step past it).
+instead of u_t. With z_t the trajectory of the updates alone (z_{t+1} = z_t − u_t, from the same start),
+the stored weights are then x_t = z_t − λ u_{t−1}: one extrapolated step past it (with λ = 1 under a
+one-step delay, a linear extrapolation of the un-delayed trajectory; docs/ARCHITECTURE.md, "Update
+semantics"). `step(extrapolate=False)`, a run's last update under `ef_last_update: trajectory`, moves
+them by u_t − λ u_{t−1} instead, taking the previous extrapolation back: they end at z_T.
 One extra update-sized buffer per parameter, made from the parameter (a clone, or `zeros_like`
 at first), so under FSDP2 it is a DTensor sharded exactly like it; it is part of `state_dict()`. While
 it steps, a second one holds the pre-step weights, from which this step's update is taken.
@@ -25,7 +26,7 @@ __all__ = ["ErrorFeedback"]
 
 class ErrorFeedback:
     """Wraps any torch optimizer; `step()` applies the base update plus λ × its change (`extrapolate=False`:
-    the base update alone)."""
+    the base update less λ × the previous one, landing on the trajectory)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, ef_lambda: float = 1.0):
         self.optimizer, self.ef_lambda = optimizer, ef_lambda
@@ -59,7 +60,8 @@ class ErrorFeedback:
             # u_{t−1}, which is not needed after: two update-sized buffers at the peak (the stored
             # previous updates and this step's), not three. Bitwise the same: negating is exact.
             _foreach_sub_(previous, updates)
-            _foreach_add_(params, previous, alpha=self.ef_lambda)
+        # Without extrapolating: x += λ u_{t−1}, the previous step's extrapolation taken back (x_T = z_T).
+        _foreach_add_(params, previous, alpha=self.ef_lambda)
         self.previous_update.update(zip(params, updates))
 
     def state_dict(self) -> dict:

@@ -41,8 +41,9 @@ def test_weights_follow_the_formula_from_the_raw_updates(ef_lambda):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-def test_a_step_without_extrapolation_moves_by_the_base_update_alone_and_is_the_next_steps_previous():
-    """Step 3 of 5 with extrapolate=False: x_4 = x_3 − u_3; step 4 then extrapolates from u_3 as usual."""
+def test_a_step_without_extrapolation_takes_the_previous_one_back_and_is_the_next_steps_previous():
+    """Step 3 of 5 with extrapolate=False: x_4 = x_3 − u_3 + λ u_2, which is z_4, the trajectory of the updates
+    alone (x_t = z_t − λ u_{t−1}); step 4 then extrapolates from u_3 as usual."""
     make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     plain = _run(make, None)
     raw = [plain[t] - plain[t + 1] for t in range(len(GRADS))]
@@ -52,8 +53,10 @@ def test_a_step_without_extrapolation_moves_by_the_base_update_alone_and_is_the_
     for t, (g, u) in enumerate(zip(GRADS, raw)):
         x.grad = g.clone()
         ef.step(extrapolate=t != 2)
-        expected, previous = expected - u - (0.5 * (u - previous) if t != 2 else 0.0), u
+        expected, previous = expected - u - 0.5 * ((u if t != 2 else 0.0) - previous), u
         torch.testing.assert_close(x.detach(), expected, rtol=0, atol=1e-6)
+        if t == 2:  # on the trajectory of the updates alone: plain SGD's weights after the same gradients
+            torch.testing.assert_close(x.detach(), plain[t + 1], rtol=0, atol=1e-6)
 
 
 def test_lambda_one_extrapolates_one_step():

@@ -192,7 +192,7 @@ def test_a_rerun_is_refused_while_an_arm_of_an_earlier_run_still_writes_its_dire
 
 
 def test_ef_last_update_reruns_only_the_arms_with_error_feedback(tmp_path):
-    """ef_last_update plain in a study's base changes the arms with Error Feedback alone (without it every
+    """ef_last_update trajectory in a study's base changes the arms with Error Feedback alone (without it every
     update is already the optimizer's own): those run again, the others stay finished, records of EF arms
     written before the key count as its default (extrapolate)."""
     study = _study(tmp_path / "a")
@@ -201,7 +201,7 @@ def test_ef_last_update_reruns_only_the_arms_with_error_feedback(tmp_path):
     before_the_key = {**settings, "config": {k: v for k, v in settings["config"].items() if k != "ef_last_update"}}
     without_dir, with_dir = _record(study, ARM), _record(study, with_ef, before_the_key)
     assert _finished(with_dir, _settings(study, with_ef))
-    edited = _study(tmp_path / "b", BASE_TEXT + "\nef_last_update: plain\n")
+    edited = _study(tmp_path / "b", BASE_TEXT + "\nef_last_update: trajectory\n")
     assert _finished(without_dir, _settings(edited, ARM))
     assert not _finished(with_dir, _settings(edited, with_ef))
     assert "ef_last_update" not in _settings(edited, ARM)["config"]
