@@ -226,7 +226,7 @@ def test_datasets_in_memory_give_the_rows_of_the_same_files(tmp_path):
     from datasets import Dataset
 
     tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, "jsonl")
-    config = _config(dataset=dataset, eval_fraction=0.25)
+    config = _config(dataset=dataset, eval_fraction=0.25, n_microbatches=1)  # its 2 held-out blocks: one batch
     from_files = training_data(config, tokenizer, 0, 1)
     docs = [json.loads(line)["text"] for f in sorted((tmp_path / "corpus_jsonl").iterdir())
             for line in f.read_text().splitlines()]
@@ -234,8 +234,8 @@ def test_datasets_in_memory_give_the_rows_of_the_same_files(tmp_path):
     assert torch.equal(text.held_out, from_files.held_out)
     assert _steps(text.sampler, range(5)) == _steps(from_files.sampler, range(5))
     streamed = TrainingData.from_datasets(Dataset.from_dict({"text": docs}).to_iterable_dataset(num_shards=3),
-                                          from_files.held_out, tokenizer, _config(), 0, 1)
-    all_files = training_data(_config(dataset=dataset), tokenizer, 0, 1)
+                                          from_files.held_out, tokenizer, _config(n_microbatches=1), 0, 1)
+    all_files = training_data(_config(dataset=dataset, n_microbatches=1), tokenizer, 0, 1)
     assert _steps(streamed.sampler, range(5)) == _steps(all_files.sampler, range(5))
 
     rows = torch.randint(0, 100, (12, 8), generator=torch.Generator().manual_seed(0))
@@ -249,10 +249,12 @@ def test_an_eval_dataset_is_held_out_whole_and_never_trained_on(tmp_path):
     tokenizer, dataset = load_tokenizer("builtin"), _corpus(tmp_path, "jsonl")
     held = _write_jsonl(tmp_path / "held_out.jsonl", [{"text": d} for d in _documents(40)[-6:]])
     for streaming in (False, True):
-        data = training_data(_config(dataset=dataset, eval_dataset=held, streaming=streaming), tokenizer, 0, 1)
+        # Two rows a step: the eval set's 3 blocks hold one evaluation batch.
+        data = training_data(_config(dataset=dataset, eval_dataset=held, streaming=streaming, n_microbatches=1),
+                             tokenizer, 0, 1)
         assert torch.equal(data.held_out, build_token_blocks(held, tokenizer, 8))
         trained = build_token_blocks(dataset, tokenizer, 8)
-        assert _steps(data.sampler, range(2)) == [trained[:4].tolist(), trained[4:8].tolist()]
+        assert _steps(data.sampler, range(2)) == [trained[:2].tolist(), trained[2:4].tolist()]
 
 
 def test_text_is_tokenized_once_and_a_second_load_reads_the_cache(tmp_path, monkeypatch):
@@ -364,8 +366,8 @@ def test_a_held_out_set_that_repeats_training_blocks_is_refused():
     rows = torch.randint(0, 100, (12, 8), generator=torch.Generator().manual_seed(0))
     held = torch.cat([rows[:2] + 100, rows[7:8]])  # its block 2 is training block 7
     with pytest.raises(DataError, match=r"eval_dataset repeats blocks of train_dataset \(block 2, and up to 1"):
-        TrainingData.from_datasets(rows, held, None, _config(), 0, 1)
-    TrainingData.from_datasets(rows, held[:2], None, _config(), 0, 1)  # disjoint: accepted
+        TrainingData.from_datasets(rows, held, None, _config(n_microbatches=1), 0, 1)
+    TrainingData.from_datasets(rows, held[:2], None, _config(n_microbatches=1), 0, 1)  # disjoint: accepted
 
 
 def test_hub_datasets_are_read_at_the_configured_splits_and_revision(monkeypatch):

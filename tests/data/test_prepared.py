@@ -26,10 +26,10 @@ def test_a_run_on_prepared_shards_reads_the_in_memory_blocks_step_by_step(tmp_pa
     prepare_data(corpus, str(tmp_path / "prepared"), "builtin", 8, blocks_per_shard=5)
     for shuffle, eval_fraction in ((False, 0.0), (True, 0.2)):
         for dp_rank in range(2):
-            mapped = training_data(_config(dataset=str(tmp_path / "prepared"), shuffle=shuffle,
-                                           eval_fraction=eval_fraction), None, dp_rank, 2)
-            in_memory = training_data(_config(dataset=corpus, shuffle=shuffle, eval_fraction=eval_fraction),
-                                      load_tokenizer("builtin"), dp_rank, 2)
+            # One row a step on each rank: the 2 held-out blocks make one evaluation batch of the 2 ranks.
+            one_row = dict(shuffle=shuffle, eval_fraction=eval_fraction, micro_batch_size=1, n_microbatches=1)
+            mapped = training_data(_config(dataset=str(tmp_path / "prepared"), **one_row), None, dp_rank, 2)
+            in_memory = training_data(_config(dataset=corpus, **one_row), load_tokenizer("builtin"), dp_rank, 2)
             assert isinstance(mapped.sampler.blocks, PreparedBlocks)
             for step in range(6):  # past the end of an epoch
                 assert torch.equal(mapped.sampler.rows(step), in_memory.sampler.rows(step)), (shuffle, dp_rank, step)
