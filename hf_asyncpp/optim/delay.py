@@ -8,8 +8,8 @@ updates; d_g: the delay of parameter group g):
 The gradient of unit t is taken with each group at the version it had d_g updates ago (weight
 stashing makes forward and backward use that same version) and applied at once to the current
 weights. PipeDream-2BW is d = 1 for every parameter (unit = minibatch): x(t+1) = x(t) − U(g_t(x(t−1))),
-which in terms of the weights a minibatch uses (w_k = x_{k−1}) is DESIGN's
-w_{k+1} = w_k − U(g_{k−1}(w_{k−1})). Synchronous training is d = 0. WPipe gives one group of chunks
+which in terms of the weights a minibatch uses (w_k = x_{k−1}) is the reference study's
+w_{k+1} = w_k − U(g_{k−1}(w_{k−1})) (docs/ARCHITECTURE.md, "Update semantics"). Synchronous training is d = 0. WPipe gives one group of chunks
 d = 1 and the other d = 0; the original PipeDream gives stage s d_s = p − 1 − s (unit = microbatch),
 so its gradients are taken at a model whose stages have different ages.
 

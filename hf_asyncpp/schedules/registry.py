@@ -1,7 +1,7 @@
 """Schedule names → what each needs: stages per rank, their placement, and the action lists.
 
-The asynchronous schedules join this registry with `synchronous=False`; the engine and the config
-validation read only `ScheduleSpec`, never a class name.
+The asynchronous schedules join this registry with an `order` (an AsyncOrder: who holds which
+weight version when); the engine and the config validation read only `ScheduleSpec`, never a class name.
 """
 
 from __future__ import annotations
