@@ -36,14 +36,19 @@ def software_versions() -> dict[str, str]:
 
 
 def machine() -> dict:
-    """The processor (its model name where Linux tells it) and how many cores the process may use."""
+    """The processor (its model name where Linux tells it), the vector instructions torch's CPU kernels
+    dispatch to on it (AVX2, AVX512, …: two machines sold under one model name can differ, and their runs
+    then round differently) and how many cores the process may use."""
+    import torch
+
     name = platform.processor() or platform.machine()
     try:
         name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                     if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": name, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+    return {"cpu": name, "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
 def source_commit(path: Path = PACKAGE_DIR) -> str | None:

@@ -44,3 +44,4 @@ def test_the_versions_are_the_ones_imported_and_the_machine_has_cores():
     assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__
     facts = machine()
     assert facts["cores"] >= 1 and facts["cpu"]
+    assert facts["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()  # e.g. AVX2 or AVX512
