@@ -382,14 +382,13 @@ def fit_global_batch(config: TrainConfig, world_size: int) -> None:
 
 
 def resolve_schedule(config: TrainConfig, steps_per_epoch: float | None = None) -> None:
-    """max_steps from num_train_epochs once the data's length (`steps_per_epoch`) is known, then a
-    warmup_ratio as steps, rounded up as transformers' get_warmup_steps rounds it. Before the data is
-    read a run given epochs keeps its ratio for this second call."""
+    """max_steps from num_train_epochs once the data's length (`steps_per_epoch`, finite: a streamed
+    dataset is refused before, by check_settings or the Trainer) is known, then a warmup_ratio as steps,
+    rounded up as transformers' get_warmup_steps rounds it. Before the data is read a run given epochs
+    keeps its ratio for this second call."""
     if config.num_train_epochs is not None:
         if steps_per_epoch is None:
             return
-        _require(steps_per_epoch != float("inf"), "num_train_epochs needs the data's length, and a streamed dataset "
-                                                  "has none: give max_steps")
         config.max_steps = max(1, math.ceil(config.num_train_epochs * steps_per_epoch))
         config.num_train_epochs = None  # settled: a resume reads the steps, whatever the data has become
     if config.warmup_ratio:

@@ -37,7 +37,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from .config import ConfigError
-from .config_checks import check_model_fits, check_settings, check_step_boundaries
+from .config_checks import check_model_fits, check_settings, check_step_boundaries, resolve_schedule
 from .loop import LoopHooks, StepDecision, TrainingLoop
 from .trainer_args import AsyncPPTrainingArguments
 
@@ -303,7 +303,8 @@ class AsyncPPTrainer(Trainer):
         if args.max_steps <= 0:
             if not finite:
                 raise ConfigError("a streamed train_dataset has no length: set max_steps")
-            config.max_steps = max(1, math.ceil(args.num_train_epochs * self.steps_per_epoch))
+            config.num_train_epochs = args.num_train_epochs
+            resolve_schedule(config, self.steps_per_epoch)
         config.warmup_steps = args.get_warmup_steps(config.max_steps)
         check_settings(config, launch.world_size)
         return data

@@ -298,8 +298,8 @@ class AsyncPPTrainingArguments(TrainingArguments):
         if seq_len or self.seq_len:
             values["seq_len"] = seq_len or self.seq_len
         extra = dict(self.pipeline_config or {})
-        clashes = sorted(set(extra) & (set(values) | {"logging_steps", "eval_steps", "save_steps", "warmup_steps", "warmup_ratio",
-                                                "num_train_epochs"}))
+        arguments = {"logging_steps", "eval_steps", "save_steps", "warmup_steps", "warmup_ratio", "num_train_epochs"}
+        clashes = sorted(set(extra) & (set(values) | arguments))
         if clashes:
             raise ConfigError(f"pipeline_config sets {', '.join(clashes)}, which are training arguments: set them there")
         if "global_batch_size" in extra:  # it sets n_microbatches (config_checks.fit_global_batch)
