@@ -22,10 +22,11 @@ from .claims_report import (claims_markdown, headline_by_protocol, headline_mark
                             verdicts_markdown)
 from .figures import write_figures
 from .grid import Arm, Study, StudyError, load_study, mode_name
-from .results import final_losses, results_rows, write_results
+from .results import final_losses, results_rows, seeds_note, write_results
 from .processes import StudyStopped
 from .reproduce import write_reproductions
 from .runner import check_arms, finished_record, run_arms
+from .steps import final_training_losses, write_steps
 from .tuning import per_mode_picks, sync_picks, tune, write_tuning
 
 __all__ = ["Arm", "Study", "StudyError", "StudyStopped", "known_arms", "load_study", "protocol_arms",
@@ -104,8 +105,9 @@ def protocol_arms(study: Study, protocol: str, sync_chosen: dict, per_mode: dict
 
 
 def report(study: Study, failed: list[str] | None = None) -> list[Path]:
-    """Tables, claims, headline.md and verdicts.md (quoted by README Results and docs/studies.md), figures and tuning.json from
-    the finished arms (the tables read the ones in the grid; tuning-only arms are left out); reproductions.md
+    """Tables, claims, headline.md and verdicts.md (quoted by README Results and docs/studies.md), steps.md (the gaps
+    along the run, at the study's report steps), figures and tuning.json from the finished arms (the tables read
+    the grid's arms of the reported seeds; tuning-only arms and the tuning seed's are left out); reproductions.md
     again where arms were reproduced, its coverage of the tables' arms as they stand now."""
     if not (study.output_dir / "arms").is_dir():
         raise StudyError(f"{study.output_dir} holds no arms, so there is nothing to report: run the study first")
@@ -126,7 +128,7 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
         records = [r for r in finished.values() if r is not None]
         reported.update({name: r for name, r in finished.items() if r is not None})
         stale |= {name for name, r in finished.items() if r is None and (study.output_dir / "arms" / name / "arm.json").is_file()}
-        rows_of[protocol] = results_rows(records, protocol)
+        rows_of[protocol] = results_rows(records, protocol, final_training_losses(study, records))
         losses[protocol] = final_losses(records)
         heading = f"**Protocol `{protocol}`**: {PROTOCOL_MEANINGS[protocol]}\n\n" if len(study.protocols) > 1 else ""
         claims.append(heading + claims_markdown(study, losses[protocol]))
@@ -142,7 +144,9 @@ def report(study: Study, failed: list[str] | None = None) -> list[Path]:
                  "headline.md": headline_markdown(study, rows_of[protocol])}
     texts["claims.md"] = "\n".join(claims)
     rows = [row for protocol_rows in rows_of.values() for row in protocol_rows]
-    paths = write_results(study.output_dir, rows, list(reported.values()), failed or [], sorted(stale))
+    note = seeds_note(study)
+    paths = write_results(study.output_dir, rows, list(reported.values()), failed or [], sorted(stale), note)
+    paths += write_steps(study, list(reported.values()), note)
     for name, text in texts.items():
         (study.output_dir / name).write_text(text)
         paths.append(study.output_dir / name)

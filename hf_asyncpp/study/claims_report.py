@@ -9,7 +9,7 @@ from .claims import CLAIMS, COMPARISONS, Claim, Effect, Grid, Judged, std
 from .inference import PAIRED, POOLED, TOST
 from .grid import Study
 from .reference import NAMES, RUNS_360M, grade_legend, share_notes
-from .results import markdown_head, markdown_row, seeds_label, spread
+from .results import markdown_head, markdown_row, seeds_label, seeds_note, spread
 
 __all__ = ["claims_markdown", "headline_by_protocol", "headline_markdown", "verdicts_by_protocol", "verdicts_markdown"]
 
@@ -154,13 +154,14 @@ def headline_markdown(study: Study, rows: list[dict]) -> str:
     """headline.md, the table README Results quotes: per optimizer, the published sync loss, gap and gap
     with EF (each with its grade) beside this grid's at each momentum, for PipeDream-2BW at the grid's
     smallest depth; under it, what the grades mean."""
-    return "\n".join([*_headline_rows(study, {None: rows}), "", grade_legend()]) + "\n"
+    return "\n".join([*_headline_rows(study, {None: rows}), "", f"- {seeds_note(study)}", f"- {grade_legend()}"]) + "\n"
 
 
 def headline_by_protocol(study: Study, rows: dict[str, list[dict]], meanings: dict[str, str]) -> str:
     """headline.md of a study run under several learning-rate protocols: one table, each optimizer's line
     per protocol (`rows`: its results rows per protocol), and under it what each protocol means."""
-    notes = [*(f"- Protocol `{name}`: {meaning}" for name, meaning in meanings.items()), f"- {grade_legend()}"]
+    notes = [*(f"- Protocol `{name}`: {meaning}" for name, meaning in meanings.items()), f"- {seeds_note(study)}",
+             f"- {grade_legend()}"]
     return "\n".join([*_headline_rows(study, rows), "", *notes]) + "\n"
 
 

@@ -25,6 +25,8 @@
     per_mode_lr_factors: [0.1, 0.3, 1.0]    # per_mode candidates: the sync pick × each (default)
     lr_extensions: 2                        # a pick at the edge of three or more candidates adds one past
                                             # it, up to this many times per tuned group (default 2)
+    lr_tie_tolerance: 0.005                 # candidates this close to the best loss tie; the larger rate wins
+    report_steps: [250, 500]                # the gaps along the run, at these evaluation steps (steps.md)
 
 A mode is `sync` or `schedule[@depth][+syncN]`. `+syncN` is the sync-start baseline: the first N steps
 run synchronously, then the schedule's delays begin (the `sync_steps` config key); it is a mode of its
@@ -39,6 +41,11 @@ Under the `per_mode` protocol each delayed (optimizer, mode, EF λ, momentum) th
 among the sync pick × `per_mode_lr_factors` (`Study.per_mode_candidates`), on the first seed, and
 `Study.arms(chosen, per_mode)` gives its arms that pick (tuning.py holds the rule both tunings use).
 Every name is checked before anything runs.
+
+A study that chooses learning rates reports only the seeds that chose none (`Study.reported_seeds`: every
+seed but the first, whose arms tune): a rate picked on a seed's held-out loss flatters that seed's
+numbers, so the grid's arms, tables and verdicts are the fresh seeds', the tuning seed runs its tuning
+arms alone, and such a study needs at least two seeds.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ LAUNCHES = ("emulator", "pipeline")
 PROTOCOLS = ("sync", "per_mode")
 _KEYS = {"name", "base_config", "base", "optimizers", "modes", "depth", "ef", "ef_modes", "momentum", "seeds",
          "launch", "parallel", "output_dir", "threads_per_arm", "checkpoint_steps", "lr_protocol",
-         "per_mode_lr_factors", "lr_extensions"}
+         "per_mode_lr_factors", "lr_extensions", "lr_tie_tolerance", "report_steps"}
 
 
 def round_lr(lr: float) -> float:
@@ -146,6 +153,23 @@ class Study:
     protocols: tuple[str, ...] = ("sync",)  # lr_protocol: ("sync",), ("per_mode",) or both
     per_mode_lr_factors: tuple[float, ...] = (0.1, 0.3, 1.0)
     lr_extensions: int = 2  # candidates a tuned group may add past an edge pick
+    # Final losses this close to the best tie, and the largest tied rate is the pick: a difference below the
+    # smallest seed spread of a sync arm's final loss in the committed studies (0.005) is no evidence, and of
+    # two rates that train equally well the larger moves further per step, the harder test of a delay.
+    lr_tie_tolerance: float = 0.005
+    report_steps: tuple[int, ...] = ()  # evaluation steps the along-the-run table (steps.py) reads
+
+    @property
+    def tuning_seed(self) -> int | None:
+        """The seed whose arms choose the learning rates (the first), None when the study chooses none
+        (one candidate per optimizer, and no per_mode choice)."""
+        per_mode_chooses = "per_mode" in self.protocols and len(set(self.per_mode_lr_factors)) > 1
+        return self.seeds[0] if self.sync_groups() or per_mode_chooses else None
+
+    @property
+    def reported_seeds(self) -> list[int]:
+        """The seeds the tables and verdicts read: every seed but the tuning seed."""
+        return [seed for seed in self.seeds if seed != self.tuning_seed]
 
     @property
     def delayed_groups(self) -> list[tuple[str, tuple[str, int, int], float, float]]:
@@ -196,15 +220,16 @@ class Study:
         raise StudyError(f"no learning rate chosen for {optimizer} at momentum {momentum:g}")
 
     def arms(self, chosen_lr: Mapping, per_mode: Mapping | None = None) -> list[Arm]:
-        """Every arm, each (optimizer, momentum) at its chosen learning rate (see `learning_rate`), a
+        """Every arm of the reported seeds (the tuning seed runs only its tuning arms: nothing reads its
+        others), each (optimizer, momentum) at its chosen learning rate (see `learning_rate`), a
         delayed group in `per_mode` ((optimizer, mode, EF λ, momentum) → rate) at its own, in
-        the order a grid run in parts wants: first the first seed's, mode by mode in the file's order
+        the order a grid run in parts wants: first the first reported seed's, mode by mode in the file's order
         (one look at every mode, every optimizer at a mode before any runs the next); then the other
         seeds' mode by mode, every seed of a mode before the next mode, so the claims about the first
         modes get their seed spread (and their t-test verdicts) before the later modes run."""
-        arms = []
-        for seeds, (schedule, depth, sync_steps) in [(self.seeds[:1], mode) for mode in self.modes] + \
-                [(self.seeds[1:], mode) for mode in self.modes]:
+        arms, reported = [], self.reported_seeds
+        for seeds, (schedule, depth, sync_steps) in [(reported[:1], mode) for mode in self.modes] + \
+                [(reported[1:], mode) for mode in self.modes]:
             if schedule == "sync" and self.launch == "pipeline":
                 depth = self.depth  # a 1F1B pipeline as deep as the delayed arms: the same numerics as one rank
             for optimizer, momentum, seed in itertools.product(self.learning_rates, self.momentums, seeds):
@@ -325,6 +350,15 @@ def load_study(path: str | os.PathLike) -> Study:
         raise StudyError("lr_extensions must be >= 0 (0: an edge pick is only flagged)")
     if any(ef < 0 for ef in study.ef_lambdas):
         raise StudyError("ef values are Error Feedback strengths λ >= 0 (0: off)")
+    study.lr_tie_tolerance = float(raw.get("lr_tie_tolerance", Study.lr_tie_tolerance))
+    if study.lr_tie_tolerance < 0:
+        raise StudyError("lr_tie_tolerance must be >= 0 (0: only an exact tie goes to the larger rate)")
+    study.report_steps = tuple(sorted(set(_list(raw.get("report_steps", []), "report_steps", int))))
+    if any(step <= 0 for step in study.report_steps):
+        raise StudyError("report_steps are evaluation steps of the run, each > 0")
+    if not study.reported_seeds:
+        raise StudyError(f"the study chooses learning rates on seed {study.tuning_seed}, and no reported number "
+                         "may come from an arm that chose one: list at least one more seed")
     if study.parallel < 1:
         raise StudyError("parallel must be at least 1")
     if study.checkpoint_steps < 0:

@@ -10,7 +10,10 @@ same optimizer, momentum and seed, and its EF share against its own EF-off twin 
   finished (paired by seed: the same data order and initial weights, so seed noise largely cancels),
   `gap_std` the standard deviation of those paired differences;
 - `ef_recovered`: for an EF arm, the share of its EF-off twin's gap that EF removes,
-  (gap_off − gap_ef) / gap_off; undefined (None) when the twin shows no gap to recover.
+  (gap_off − gap_ef) / gap_off; undefined (None) when the twin shows no gap to recover;
+- `train_gap`, `train_gap_std`: the same paired gap of the training loss over the run's last steps
+  (steps.py reads it from the arms' logs): a held-out split that the sync arm fits better than it
+  generalises moves the two gaps apart, and the report shows both.
 
 Written as results.json (rows and every arm's loss), results.csv and results.md, and summary.md: the
 same rows pivoted to one line per (optimizer, momentum, EF λ) and one column per delayed mode, each
@@ -28,11 +31,13 @@ from pathlib import Path
 
 from .grid import Arm
 
-__all__ = ["ef_share", "final_losses", "gap_cell", "results_rows", "row_share_cell", "share_cell", "spread",
-           "summary_markdown", "write_results"]
+__all__ = ["Losses", "ef_share", "final_losses", "gap_cell", "mean_and_std", "paired_gaps", "results_rows", "row_key",
+           "row_share", "row_share_cell", "seeds_note", "share_cell", "spread", "summary_markdown", "write_results"]
 
 COLUMNS = ("protocol", "optimizer", "mode", "ef_lambda", "momentum", "learning_rate", "seeds", "val_loss", "val_loss_std",
-           "gap", "gap_std", "ef_recovered")
+           "gap", "gap_std", "ef_recovered", "train_gap", "train_gap_std")
+
+Losses = dict[tuple, dict[int, float]]  # (optimizer, mode, EF λ, momentum) → seed → loss
 
 
 def _std(values: list[float]) -> float:
@@ -53,6 +58,12 @@ def gap_cell(row: dict | None) -> str:
     return "–" if row is None or row["gap"] is None else spread(row["gap"], row["gap_std"], row["seeds"])
 
 
+def _train_gap_cell(row: dict | None) -> str:
+    if row is None or row.get("train_gap") is None:
+        return "–"
+    return spread(row["train_gap"], row["train_gap_std"], row["seeds"])
+
+
 def share_cell(share: float | None) -> str:
     """EF's share of the gap (`ef_recovered`) as the tables print it, in whole percent; '–' without one."""
     return "–" if share is None else f"{100 * share:.0f}%"
@@ -67,13 +78,39 @@ def seeds_label(seeds: int) -> str:
     return "1 seed" if seeds == 1 else f"{seeds} seeds"
 
 
-def final_losses(records: list[dict]) -> dict[tuple, dict[int, float]]:
+def seeds_note(study) -> str:
+    """Which seeds the tables read, and why (grid.py: `Study.reported_seeds`)."""
+    reported = ", ".join(map(str, study.reported_seeds))
+    if study.tuning_seed is None:
+        return f"Seeds {reported}: no arm chose a learning rate (each was fixed before any ran)."
+    return (f"Seeds {reported}: seed {study.tuning_seed}'s arms chose the learning rates, and no number here comes "
+            "from them.")
+
+
+def row_key(record: dict) -> tuple:
+    """What a finished arm's record is a row of: (optimizer, mode, EF λ, momentum)."""
+    a = record["arm"]
+    return a["optimizer"], record["mode"], a["ef_lambda"], a["momentum"]
+
+
+def final_losses(records: list[dict]) -> Losses:
     """Each arm's final validation loss: (optimizer, mode, EF λ, momentum) → seed → loss."""
-    losses: dict[tuple, dict[int, float]] = defaultdict(dict)
+    losses: Losses = defaultdict(dict)
     for r in records:
-        a = r["arm"]
-        losses[(a["optimizer"], r["mode"], a["ef_lambda"], a["momentum"])][a["seed"]] = r["final_eval"]["eval_loss"]
+        losses[row_key(r)][r["arm"]["seed"]] = r["final_eval"]["eval_loss"]
     return dict(losses)
+
+
+def paired_gaps(losses: Losses, key: tuple) -> list[float]:
+    """The row's per-seed gaps to the sync arm of its optimizer and momentum, over the seeds both have."""
+    sync = losses.get((key[0], "sync", 0.0, key[3]))
+    if sync is None or key not in losses:
+        return []
+    return [loss - sync[seed] for seed, loss in sorted(losses[key].items()) if seed in sync]
+
+
+def mean_and_std(values: list[float]) -> tuple[float | None, float | None]:
+    return (statistics.fmean(values), _std(values)) if values else (None, None)
 
 
 def ef_share(gap_off: float | None, gap_ef: float | None) -> float | None:
@@ -84,28 +121,26 @@ def ef_share(gap_off: float | None, gap_ef: float | None) -> float | None:
     return (gap_off - gap_ef) / gap_off
 
 
-def results_rows(records: list[dict], protocol: str = "sync") -> list[dict]:
-    """The table's rows, sync first within each optimizer, for the arms a learning-rate protocol reads."""
+def row_share(losses: Losses, key: tuple) -> float | None:
+    """EF's share of the gap for an EF row (None for a row without EF, or without its EF-off twin)."""
+    twin = (key[0], key[1], 0.0, key[3])
+    if key[2] <= 0 or twin not in losses:
+        return None
+    return ef_share(mean_and_std(paired_gaps(losses, twin))[0], mean_and_std(paired_gaps(losses, key))[0])
+
+
+def results_rows(records: list[dict], protocol: str = "sync", train_losses: Losses | None = None) -> list[dict]:
+    """The table's rows, sync first within each optimizer, for the arms a learning-rate protocol reads;
+    `train_losses` (same keys, each arm's training loss at its end) gives the training-loss gaps."""
     losses = final_losses(records)
-    learning_rates = {(r["arm"]["optimizer"], r["mode"], r["arm"]["ef_lambda"], r["arm"]["momentum"]):
-                      r["arm"]["learning_rate"] for r in records}
-
-    def gap(key) -> tuple[float | None, float | None]:
-        sync = losses.get((key[0], "sync", 0.0, key[3]))
-        if sync is None:
-            return None, None
-        paired = [loss - sync[s] for s, loss in losses[key].items() if s in sync]
-        return (statistics.fmean(paired), _std(paired)) if paired else (None, None)
-
+    learning_rates = {row_key(r): r["arm"]["learning_rate"] for r in records}
     rows = []
     for key in sorted(losses, key=lambda k: (k[0], k[3], k[1] != "sync", k[1], k[2])):
         values = list(losses[key].values())
-        gap_mean, gap_std = gap(key)
-        recovered = None
-        if key[2] > 0 and (key[0], key[1], 0.0, key[3]) in losses:
-            recovered = ef_share(gap((key[0], key[1], 0.0, key[3]))[0], gap_mean)
+        train_gap = mean_and_std(paired_gaps(train_losses or {}, key))
         rows.append(dict(zip(COLUMNS, (protocol, key[0], key[1], key[2], key[3], learning_rates[key], len(values),
-                                       statistics.fmean(values), _std(values), gap_mean, gap_std, recovered))))
+                                       statistics.fmean(values), _std(values), *mean_and_std(paired_gaps(losses, key)),
+                                       row_share(losses, key), *train_gap))))
     return rows
 
 
@@ -148,6 +183,14 @@ def _protocol_summary(rows: list[dict]) -> str:
         for ef in lambdas:
             cells = [gap_cell(by_key.get((optimizer, momentum, ef, mode))) for mode in modes]
             lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", base, *cells]))
+    if any(r["train_gap"] is not None for r in rows):
+        lines += ["", "The same gap in training loss, over the run's last steps (steps.py): held-out and training",
+                  "gaps apart show a held-out split that the arms fit unequally.", "",
+                  *markdown_head(["optimizer", "momentum", "EF λ", *modes])]
+        for optimizer, momentum in pairs:
+            for ef in lambdas:
+                cells = [_train_gap_cell(by_key.get((optimizer, momentum, ef, mode))) for mode in modes]
+                lines.append(markdown_row([optimizer, f"{momentum:g}", f"{ef:g}", *cells]))
     if any(ef > 0 for ef in lambdas):
         lines += ["", "Share of the EF-off gap that Error Feedback removes, (gap_off − gap_ef) / gap_off ('–': no",
                   "gap to remove, an arm not finished, or not in the grid).", "",
@@ -163,19 +206,20 @@ def _protocol_summary(rows: list[dict]) -> str:
 def _cell(column: str, value) -> str:
     if value is None:
         return "–"
-    if column in ("gap",):
+    if column in ("gap", "train_gap"):
         return f"{value:+.4f}"
     if column == "ef_recovered":
         return share_cell(value)
-    if column in ("val_loss", "val_loss_std", "gap_std"):
+    if column in ("val_loss", "val_loss_std", "gap_std", "train_gap_std"):
         return f"{value:.4f}"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: list[str],
-                  stale: list[str] = ()) -> list[Path]:
+                  stale: list[str] = (), note: str = "") -> list[Path]:
     """results.json/.csv/.md and summary.md; `stale`: arms of the grid that finished under other settings or
-    numerics than this code's (not in the table: a rerun of the study runs them again)."""
+    numerics than this code's (not in the table: a rerun of the study runs them again); `note` heads the
+    tables (which seeds they read)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md", out_dir / "summary.md"]
     per_arm = {Arm.from_record(r).name: r["final_eval"]["eval_loss"] for r in records}
@@ -191,7 +235,8 @@ def write_results(out_dir: Path, rows: list[dict], records: list[dict], failed: 
     if stale:
         lines += ["", f"Stale arms, finished under other settings or numerics (not in the table; a rerun of the study "
                       f"runs them again): {', '.join(stale)}"]
-    paths[2].write_text("\n".join(lines) + "\n")
-    paths[3].write_text(summary_markdown(rows))
+    head = f"{note}\n\n" if note else ""
+    paths[2].write_text(head + "\n".join(lines) + "\n")
+    paths[3].write_text(head + summary_markdown(rows))
     return paths
 

@@ -3,7 +3,9 @@
 A group is what shares a learning rate: an (optimizer, momentum) pair, tuned on its sync arms, or under
 the per_mode protocol a delayed (optimizer, mode, EF λ, momentum), tuned on its own arms among the
 sync pick × `per_mode_lr_factors`. Each group's arms of the first seed run at every candidate, and the
-one with the lowest final validation loss is its pick. A pick at the smallest or largest of three or
+one with the lowest final validation loss is its pick; candidates within the study's `lr_tie_tolerance` of
+that loss tie, and the largest tied rate is the pick (tuning.json marks the tied ones). The tuning seed's
+arms choose and are not reported (grid.py: `Study.reported_seeds`). A pick at the smallest or largest of three or
 more candidates may have its optimum beyond them: the group adds a candidate one step past it (the
 step between the two outermost candidates on that side, on a log scale), up to `lr_extensions` times,
 and a pick still at the edge after that is flagged `at_edge` in tuning.json.
@@ -21,21 +23,30 @@ from collections.abc import Callable
 from .grid import Arm, Study, StudyError, mode_name, round_lr
 from .runner import finished_record, run_arms
 
-__all__ = ["Picks", "TUNING", "candidates", "per_mode_picks", "sync_picks", "tune", "write_tuning"]
+__all__ = ["Picks", "TUNING", "candidates", "per_mode_picks", "sync_picks", "tied", "tune", "write_tuning"]
 
 TUNING = "tuning.json"
 
 Group = tuple  # (optimizer, momentum) or (optimizer, mode, EF λ, momentum)
 
 
-def candidates(listed: list[float], losses: dict[float, float], extensions: int) -> list[float]:
+def tied(losses: dict[float, float], tolerance: float) -> list[float]:
+    """The learning rates whose final validation loss is within `tolerance` of the lowest, in order."""
+    if not losses:
+        return []
+    best = min(losses.values())
+    return sorted(lr for lr, loss in losses.items() if loss - best <= tolerance)
+
+
+def candidates(listed: list[float], losses: dict[float, float], extensions: int, tolerance: float) -> list[float]:
     """The group's candidates: the listed ones, and one more past an edge pick for each extension
-    whose predecessors have all finished (`losses`: the finished ones' final validation losses)."""
+    whose predecessors have all finished (`losses`: the finished ones' final validation losses; the pick
+    is the largest of those tied within `tolerance` of the best)."""
     lrs = sorted(listed)
     for _ in range(extensions):
         if len(lrs) < 3 or any(lr not in losses for lr in lrs):
             break
-        best = min(lrs, key=losses.__getitem__)
+        best = max(tied({lr: losses[lr] for lr in lrs}, tolerance))
         if best == lrs[0]:
             lrs.insert(0, round_lr(lrs[0] ** 2 / lrs[1]))
         elif best == lrs[-1]:
@@ -50,24 +61,28 @@ class Picks:
     candidates, and its pick (None before any trial finished)."""
 
     def __init__(self, study: Study, listed: dict[Group, list[float]]):
+        self.tie_tolerance = study.lr_tie_tolerance
         self.trials: dict[Group, dict[float, float]] = {}
         self.candidates: dict[Group, list[float]] = {}
         for group, lrs in listed.items():
             losses: dict[float, float] = {}
             # Finished candidates may extend the list, whose new members may have finished too.
             while True:
-                current = candidates(lrs, losses, study.lr_extensions)
+                current = candidates(lrs, losses, study.lr_extensions, study.lr_tie_tolerance)
                 for lr in current:
                     record = finished_record(study, study.tuning_arm(group, lr))
                     if record is not None:
                         losses[lr] = record["final_eval"]["eval_loss"]
-                if candidates(lrs, losses, study.lr_extensions) == current:
+                if candidates(lrs, losses, study.lr_extensions, study.lr_tie_tolerance) == current:
                     break
             self.trials[group], self.candidates[group] = losses, current
 
+    def tied(self, group: Group) -> list[float]:
+        """The finished candidates within the tie tolerance of the group's best loss."""
+        return tied(self.trials.get(group) or {}, self.tie_tolerance)
+
     def pick(self, group: Group) -> float | None:
-        losses = self.trials.get(group)
-        return min(losses, key=losses.__getitem__) if losses else None
+        return max(self.tied(group), default=None)
 
     def at_edge(self, group: Group) -> bool:
         """The pick is the smallest or largest of three or more candidates, all finished."""
@@ -84,7 +99,7 @@ class Picks:
 
     def record(self) -> list[dict]:
         return [dict(_fields(group), learning_rate=lr, eval_loss=loss, chosen=lr == self.pick(group),
-                     at_edge=lr == self.pick(group) and self.at_edge(group))
+                     tied=lr in self.tied(group), at_edge=lr == self.pick(group) and self.at_edge(group))
                 for group, losses in self.trials.items() for lr, loss in sorted(losses.items())]
 
 
@@ -128,5 +143,5 @@ def tune(study: Study, picks_of: Callable[[], Picks], log, alongside: list[Arm] 
 
 def write_tuning(study: Study, sync: Picks, per_mode: Picks | None) -> None:
     """tuning.json: every trial, pick and edge flag, per protocol."""
-    record = {"format": 3, "sync": sync.record(), "per_mode": per_mode.record() if per_mode else []}
+    record = {"format": 4, "tie_tolerance": study.lr_tie_tolerance, "tuning_seed": study.tuning_seed, "sync": sync.record(), "per_mode": per_mode.record() if per_mode else []}
     (study.output_dir / TUNING).write_text(json.dumps(record, indent=1))

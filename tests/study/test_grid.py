@@ -41,31 +41,33 @@ def test_each_optimizer_and_momentum_pair_uses_its_own_chosen_learning_rate(tmp_
     study = _study(tmp_path)
     chosen = {("adamw", 0.9): 3.0e-3, ("adamw", 0.95): 1.0e-3, ("muon", 0.9): 2.0e-2, ("muon", 0.95): 2.0e-2}
     arms = study.arms(chosen)
-    assert len(arms) == 2 * 2 * 2 * (1 + 2)  # optimizers × momentum × seeds × (sync + 2BW × EF off/on)
+    # optimizers × momentum × the reported seed (seed 0 tunes adamw: it runs only its tuning arms) × (sync + 2BW × EF off/on)
+    assert len(arms) == 2 * 2 * 1 * (1 + 2) and {a.seed for a in arms} == {1}
     for arm in arms:
         assert arm.learning_rate == chosen[(arm.optimizer, arm.momentum)]
 
 
-def test_the_first_seed_runs_whole_then_the_other_seeds_mode_by_mode(tmp_path):
+def test_the_first_reported_seed_runs_whole_then_the_other_seeds_mode_by_mode(tmp_path):
     """A grid run in parts first looks at every mode once, then completes the seeds of one mode after
     another, so the earliest claims get their spread before the later modes run."""
-    study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream@2"], seeds=[0, 1, 2])
+    study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream@2"], seeds=[0, 1, 2, 3])
     arms = study.arms(study.first_learning_rates())
-    first = [a for a in arms if a.seed == 0]
+    assert 0 not in {a.seed for a in arms}  # the tuning seed runs its tuning arms alone
+    first = [a for a in arms if a.seed == 1]
     assert arms[:len(first)] == first  # the first seed's every arm before any other seed's
     later = arms[len(first):]
     modes = [a.mode for a in later]
     assert list(dict.fromkeys(modes)) == ["sync", "pipedream-2bw@2", "pipedream@2"]
     assert modes == sorted(modes, key=modes.index)  # each mode's arms contiguous
     sync_later = [a for a in later if a.synchronous]
-    assert {a.seed for a in sync_later} == {1, 2} and len(sync_later) == 2 * 2 * 2  # optimizers × momenta × seeds
+    assert {a.seed for a in sync_later} == {2, 3} and len(sync_later) == 2 * 2 * 2  # optimizers × momenta × seeds
     assert sorted(a.name for a in arms) == sorted({a.name for a in arms})  # each arm once
     assert len(arms) == 3 * 2 * 2 * (1 + 2 + 2)  # seeds × optimizers × momenta × (sync, 2BW off/on, PipeDream off/on)
 
 
 def test_within_a_seed_every_optimizer_runs_a_mode_before_any_runs_the_next(tmp_path):
     study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream@2"])
-    arms = [a for a in study.arms(study.first_learning_rates()) if a.seed == 0]
+    arms = [a for a in study.arms(study.first_learning_rates()) if a.seed == 1]
     modes = [a.mode for a in arms]
     assert modes == sorted(modes, key=modes.index)  # each mode's arms are contiguous, in the file's order
     assert list(dict.fromkeys(modes)) == ["sync", "pipedream-2bw@2", "pipedream@2"]
@@ -113,7 +115,7 @@ def test_ef_modes_runs_error_feedback_on_the_modes_it_names_and_ef_off_on_the_ot
         lambdas.setdefault(arm.mode, set()).add(arm.ef_lambda)
     assert lambdas == {"sync": {0.0}, "pipedream-2bw@2": {0.0, 1.0}, "pipedream@4": {0.0},
                        "pipedream-2bw@2+sync10": {0.0}}
-    assert len(arms) == 2 * 2 * 2 * (1 + 2 + 1 + 1)  # optimizers × momentum × seeds × modes' EF values
+    assert len(arms) == 2 * 2 * 1 * (1 + 2 + 1 + 1)  # optimizers × momentum × reported seeds × modes' EF values
     every = _study(tmp_path, modes=["sync", "pipedream-2bw", "pipedream@4"], depth=2)  # no ef_modes: all
     assert {a.ef_lambda for a in every.arms(every.first_learning_rates()) if a.mode == "pipedream@4"} == {0.0, 1.0}
 
@@ -174,10 +176,10 @@ def test_a_sync_start_arm_is_its_own_mode_and_sets_sync_steps(tmp_path):
     study = _study(tmp_path, modes=["sync", "pipedream-2bw@2", "pipedream-2bw@2+sync100"])
     arms = study.arms(study.first_learning_rates())
     start = [a for a in arms if a.sync_steps]
-    assert len(start) == 2 * 2 * 2 * 2  # optimizers × momentum × seeds × EF off/on
-    arm = next(a for a in start if a.optimizer == "adamw" and a.ef_lambda == 1.0 and a.momentum == 0.9 and a.seed == 0)
+    assert len(start) == 2 * 2 * 1 * 2  # optimizers × momentum × reported seeds (seed 0 tunes) × EF off/on
+    arm = next(a for a in start if a.optimizer == "adamw" and a.ef_lambda == 1.0 and a.momentum == 0.9 and a.seed == 1)
     assert arm.mode == "pipedream-2bw@2+sync100"
-    assert arm.name == "adamw-pipedream-2bw-p2-sync100-ef1-m0.9-lr0.001-s0"
+    assert arm.name == "adamw-pipedream-2bw-p2-sync100-ef1-m0.9-lr0.001-s1"
     keys = arm.overrides("emulator")
     assert (keys["sync_steps"], keys["schedule"], keys["emulate_pp_size"], keys["ef"]) == (100, "pipedream-2bw", 2, True)
     assert arm.overrides("pipeline")["sync_steps"] == 100

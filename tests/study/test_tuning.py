@@ -85,22 +85,50 @@ def _valley(best: float, delayed_best: float | None = None):
 # The rule
 
 def test_a_pick_inside_its_candidates_adds_none():
-    assert candidates([1e-3, 3e-3, 1e-2], {1e-3: 5.0, 3e-3: 4.0, 1e-2: 4.5}, extensions=2) == [1e-3, 3e-3, 1e-2]
+    assert candidates([1e-3, 3e-3, 1e-2], {1e-3: 5.0, 3e-3: 4.0, 1e-2: 4.5}, extensions=2, tolerance=0.0) == [1e-3, 3e-3, 1e-2]
 
 
 def test_an_edge_pick_adds_one_step_past_it_on_a_log_scale_and_again_while_still_at_the_edge():
     lrs = [1e-3, 3e-3, 1e-2]
-    assert candidates(lrs, {1e-3: 5.0, 3e-3: 4.5, 1e-2: 4.0}, extensions=2) == [1e-3, 3e-3, 1e-2, 0.033]
+    assert candidates(lrs, {1e-3: 5.0, 3e-3: 4.5, 1e-2: 4.0}, extensions=2, tolerance=0.0) == [1e-3, 3e-3, 1e-2, 0.033]
     # The added one finished best again: one more, no further than the limit.
     done = {1e-3: 5.0, 3e-3: 4.5, 1e-2: 4.0, 0.033: 3.9}
-    assert candidates(lrs, done, extensions=2) == [1e-3, 3e-3, 1e-2, 0.033, 0.11]
-    assert candidates(lrs, {**done, 0.11: 3.8}, extensions=2) == [1e-3, 3e-3, 1e-2, 0.033, 0.11]
-    assert candidates(lrs, {1e-3: 4.0, 3e-3: 4.5, 1e-2: 5.0}, extensions=1) == [0.00033, 1e-3, 3e-3, 1e-2]
+    assert candidates(lrs, done, extensions=2, tolerance=0.0) == [1e-3, 3e-3, 1e-2, 0.033, 0.11]
+    assert candidates(lrs, {**done, 0.11: 3.8}, extensions=2, tolerance=0.0) == [1e-3, 3e-3, 1e-2, 0.033, 0.11]
+    assert candidates(lrs, {1e-3: 4.0, 3e-3: 4.5, 1e-2: 5.0}, extensions=1, tolerance=0.0) == [0.00033, 1e-3, 3e-3, 1e-2]
 
 
 def test_no_candidate_is_added_before_every_listed_one_finished_or_with_fewer_than_three():
-    assert candidates([1e-3, 3e-3, 1e-2], {1e-3: 4.0, 3e-3: 4.5}, extensions=2) == [1e-3, 3e-3, 1e-2]
-    assert candidates([1e-3, 3e-3], {1e-3: 4.0, 3e-3: 4.5}, extensions=2) == [1e-3, 3e-3]
+    assert candidates([1e-3, 3e-3, 1e-2], {1e-3: 4.0, 3e-3: 4.5}, extensions=2, tolerance=0.0) == [1e-3, 3e-3, 1e-2]
+    assert candidates([1e-3, 3e-3], {1e-3: 4.0, 3e-3: 4.5}, extensions=2, tolerance=0.0) == [1e-3, 3e-3]
+
+
+def test_candidates_within_the_tie_tolerance_of_the_best_resolve_to_the_larger_rate():
+    from hf_asyncpp.study.tuning import tied
+
+    losses = {1e-3: 4.000, 3e-3: 4.004, 1e-2: 4.2}
+    assert tied(losses, 0.005) == [1e-3, 3e-3]
+    assert tied(losses, 0.003) == [1e-3]
+    assert tied({}, 0.005) == []
+    # The smallest rate is best, but the middle one ties with it: no edge pick, so nothing is added.
+    assert candidates([1e-3, 3e-3, 1e-2], losses, extensions=2, tolerance=0.005) == [1e-3, 3e-3, 1e-2]
+    # With a strict rule the same losses put the pick at the edge, and one is added below it.
+    assert candidates([1e-3, 3e-3, 1e-2], losses, extensions=1, tolerance=0.0) == [0.00033, 1e-3, 3e-3, 1e-2]
+
+
+def test_a_tie_picks_the_larger_rate_and_tuning_json_marks_the_tied_ones(tmp_path, fake_runs):
+    losses = {1e-3: 4.30, 3e-3: 4.001, 1e-2: 4.004}  # 3e-3 is lowest by 0.003: a tie at the default 0.005
+
+    fake_runs(lambda arm: losses.get(arm.learning_rate, 4.5) + (0.1 if not arm.synchronous else 0.0))
+    run_study(_study_file(tmp_path), log=lambda *_: None)
+    study = load_study(_study_file(tmp_path))
+    assert read_chosen(study) == {("adamw", 0.9): 1e-2}
+    tuning = json.loads((study.output_dir / "tuning.json").read_text())
+    assert (tuning["tie_tolerance"], tuning["tuning_seed"]) == (0.005, 0)
+    assert [(t["learning_rate"], t["tied"], t["chosen"]) for t in tuning["sync"]] == [
+        (1e-3, False, False), (3e-3, True, False), (1e-2, True, True), (0.033, False, False)]  # 1e-2 was at the edge
+    strict = _study_file(tmp_path, lr_tie_tolerance=0.0)
+    assert read_chosen(load_study(strict)) == {("adamw", 0.9): 3e-3}
 
 
 # The sync protocol
@@ -180,3 +208,38 @@ def test_an_arm_finished_under_other_numerics_is_stale_reruns_and_is_left_out_of
     assert json.loads((study.output_dir / "results.json").read_text())["stale_arms"] == []
     record = json.loads((study.output_dir / "arms" / old.name / "arm.json").read_text())
     assert record["final_eval"]["eval_loss"] == 5.0 and record["provenance"]["numerics"] == NUMERICS
+
+
+# Tuning apart from reporting
+
+def test_the_report_reads_no_arm_of_the_tuning_seed_and_says_which_seeds_it_reads(tmp_path, fake_runs):
+    fake_runs(_valley(best=3e-3))  # the tuning seed's loss is 0.01 below seed 1's (_valley)
+    path = _study_file(tmp_path, seeds=[0, 1, 2])
+    run_study(path, log=lambda *_: None)
+    study = load_study(path)
+    assert (study.tuning_seed, study.reported_seeds) == (0, [1, 2])
+    results = json.loads((study.output_dir / "results.json").read_text())
+    assert results["arms"] and all(name.endswith(("-s1", "-s2")) for name in results["arms"])
+    sync = next(r for r in results["rows"] if r["mode"] == "sync")
+    assert sync["seeds"] == 2 and sync["val_loss"] == pytest.approx(4.015)  # seeds 1 and 2: 4.01, 4.02
+    for name in ("summary.md", "results.md", "headline.md"):
+        assert "Seeds 1, 2: seed 0's arms chose the learning rates" in (study.output_dir / name).read_text()
+
+
+def test_a_study_that_fixes_its_rates_in_advance_reports_every_seed(tmp_path, fake_runs):
+    fake_runs(_valley(best=3e-3))
+    path = _study_file(tmp_path, optimizers={"adamw": [3e-3]}, seeds=[1, 2])
+    run_study(path, log=lambda *_: None)
+    study = load_study(path)
+    assert (study.tuning_seed, study.reported_seeds) == (None, [1, 2])
+    assert "Seeds 1, 2: no arm chose a learning rate" in (study.output_dir / "summary.md").read_text()
+    # per_mode with a single factor chooses nothing either.
+    assert load_study(_study_file(tmp_path, optimizers={"adamw": [3e-3]}, lr_protocol="per_mode",
+                                  per_mode_lr_factors=[1.0], seeds=[1])).tuning_seed is None
+
+
+def test_a_study_that_tunes_on_its_only_seed_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(StudyError, match="chooses learning rates on seed 0.*list at least one more seed"):
+        load_study(_study_file(tmp_path, seeds=[0]))
+    with pytest.raises(StudyError, match="chooses learning rates on seed 3"):
+        load_study(_study_file(tmp_path, optimizers={"adamw": [3e-3]}, lr_protocol="per_mode", seeds=[3]))
