@@ -2,7 +2,8 @@
 
 from .registry import SCHEDULES, ScheduleSpec, get_schedule_spec, register_schedule
 from .runtime import ActionListSchedule, build_schedule
-from .validate import ScheduleError, check_schedule
+from .errors import ScheduleError
+from .validate import check_schedule
 
 __all__ = [
     "SCHEDULES",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..torch_internals import FORWARD, REDUCE_GRAD, _Action
 
 from .comm_plan import CommPlanner, P2PBatch
-from .validate import ScheduleError
+from .errors import ScheduleError
 
 __all__ = ["AsyncOrder", "GlobalClipping", "SegmentPrograms", "StepBoundary", "check_versions", "held_spans",
            "norm_reads", "replay_after", "statistics_read"]

@@ -19,7 +19,8 @@ from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, StepBounda
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW
 from .sync_start import SyncStart
 from .comm_plan import plan_program
-from .validate import ScheduleError, Timeline, check_program, check_schedule
+from .errors import ScheduleError
+from .validate import Timeline, check_program, check_schedule
 from .wpipe import WPIPE
 
 __all__ = ["MODEL_COSTS", "ScheduleSpec", "SCHEDULES", "get_schedule_spec", "model_cost", "register_schedule"]

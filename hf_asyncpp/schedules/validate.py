@@ -66,18 +66,15 @@ from ..torch_internals import (
 )
 
 from .actions import ComputeActions
+from .errors import ScheduleError
 from .comm_plan import Collective, HostWait, P2PBatch, PlanError, Program, is_compute, matching_receive, peer_of, plan_program
 
 if TYPE_CHECKING:
     from .async_order import GlobalClipping
 
-__all__ = ["ScheduleError", "Timeline", "check_program", "check_schedule"]
+__all__ = ["Timeline", "check_program", "check_schedule"]
 
 _BACKWARDS = (FULL_BACKWARD, BACKWARD_INPUT)
-
-
-class ScheduleError(AssertionError):
-    pass
 
 
 @dataclass
