@@ -52,7 +52,7 @@ def main() -> None:
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
-    from hf_asyncpp.schedules.weight_versions import VersionedStage
+    from hf_asyncpp.update.versions import VersionedStage
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hidden, intermediate, tokens = (a or d for a, d in zip((args.hidden, args.intermediate, args.tokens),

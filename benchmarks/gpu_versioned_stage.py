@@ -137,12 +137,16 @@ def _play(args, config, model_config, plan, device, clock: _Clock, tracker=None)
     from hf_asyncpp.models.compile import compile_layers
     from hf_asyncpp.models.recompute import apply_activation_checkpointing
     from hf_asyncpp.parallel.fsdp import reduce_dtype
-    from hf_asyncpp.executors.stage_update import StageUpdate
     from hf_asyncpp.memory import held_tensors
     from hf_asyncpp.planning.plan import label_state
     from hf_asyncpp.schedules import get_schedule_spec
-    from hf_asyncpp.schedules.weight_versions import VersionedStage
-    from hf_asyncpp.updates import Updater, Updates
+    from hf_asyncpp.update.gradients import GradientNorms
+    from hf_asyncpp.update.held import HeldNorms
+    from hf_asyncpp.update.report import StepReport
+    from hf_asyncpp.update.rule import UpdateRule
+    from hf_asyncpp.update.stage import StageUpdate
+    from hf_asyncpp.update.updater import Updater
+    from hf_asyncpp.update.versions import VersionedStage
 
     spec = get_schedule_spec(config.schedule)
     order, pp, stage_index = spec.order, config.pp_size, args.stage
@@ -162,12 +166,14 @@ def _play(args, config, model_config, plan, device, clock: _Clock, tracker=None)
     versioned = VersionedStage(module, n_buffers, dtype, reduce_dtype(config.grad_reduce_dtype, dtype))
     updater = Updater(config, [0], [stage_index], [module], order)
     layout = SimpleNamespace(pp_size=1, dp_size=1, device=device, dp_group=None)  # one stage: its update is applied at once
-    updates = Updates(config, layout, [module], [stage_index], gradients_averaged=True)
+    report = StepReport()
+    held = HeldNorms(GradientNorms(layout, [module], [stage_index], True, report), config.clips_by_global_norm)
     n_slots = order.n_slots(pp, m)
     receive: list[tuple[torch.Tensor, ...]] | None = None  # gradient receive buffers, one per slot
     generator = torch.Generator(device=device).manual_seed(config.seed)
-    # The pipeline's own update of one stage (executors/stage_update.py), applied at once: one stage's norm.
-    stage_update = StageUpdate(0, stage_index, versioned, updater, module.routing_load, updates, spec, config, pp)
+    # The pipeline's own update of one stage (update/stage.py), applied at once: one stage's norm.
+    stage_update = StageUpdate(0, stage_index, versioned, updater, module.routing_load, held,
+                               UpdateRule(config.max_grad_norm, report), order, config, pp)
 
     def label(*_):
         if tracker is not None:

@@ -330,7 +330,7 @@ def check_model_fits(config: TrainConfig, model_config) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if not spec.synchronous and not emulating and config.clips_by_global_norm:
-        # the updates wait for every stage's norm (schedules/async_order.GlobalClipping)
+        # the updates wait for every stage's norm (update/held.GlobalClipping)
         problem = _order_problem(schedule, sync_steps, depth, config.n_microbatches, True)
         _require(problem is None, f"{problem}. Clipping by the global norm (max_grad_norm {config.max_grad_norm}, "
                                   "grad_clip_scope global) cannot run this order: set grad_clip_scope: stage to clip "

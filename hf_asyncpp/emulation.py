@@ -70,7 +70,7 @@ class _DelayedRoutingBiases:
 class EmulatedPipeline:
     def __init__(self, modules, stage_ids: list[int], order, depth: int, n_microbatches: int, updaters: list,
                  updates, router_bias_update_rate: float = 0.0, dp_group=None):
-        """`updates` (updates.Updates) clips, steps or skips each updater through its stepper (`apply_together`)."""
+        """`updates` (update/together.EmulatedUpdates) clips, steps or skips each updater through its emulator."""
         self.modules, self.stage_ids, self.order, self.m, self.depth = modules, stage_ids, order, n_microbatches, depth
         self.updaters, self.updates = updaters, updates
         delays = [order.delay(stage, depth, n_microbatches) for stage in stage_ids]
@@ -157,7 +157,7 @@ class EmulatedPipeline:
                     stack.enter_context(biases.stale_biases())
                 for microbatch in unit:
                     self._forward_backward(microbatch, loss_fn, 1.0 / len(unit))
-            applied_by_stage = self.updates.apply_together(self.updaters, self.emulators)
+            applied_by_stage = self.updates.apply(self.updaters, self.emulators)
             for applied, biases in zip(applied_by_stage, self.biases):
                 if biases:
                     biases.after_unit(applied, t == len(units) - 1, self.m, self.bias_rate, self.dp_group)

@@ -5,7 +5,7 @@ their review by the non-finite guard, the termination request, the step count â€
 executor of its kind of run (executors/), chosen once here: a synchronous pipeline, an asynchronous
 one, or an asynchronous schedule emulated on one rank. A step on one rank: the executor runs forward and
 backward of the minibatch's n_microbatches microbatches over this rank's stages and its updates (clipped
-by the global norm over all stages and dp ranks, skipped when that is non-finite: updates.py,
+by the global norm over all stages and dp ranks, skipped when that is non-finite: update/rule.py,
 resilience.py); the engine reduces what the step reports. The minibatch loss is the mean of the
 microbatch losses, as in gradient accumulation.
 """

@@ -20,7 +20,7 @@ metric, callbacks' states; `TrainerState.load_from_json` reads it); `save_model`
 every_save, hub_revision), and the card describes what was really done (pretraining from
 scratch, or training from the weights `from_pretrained` loaded the model from; the optimizer, the
 schedule). Gradient clipping is by the global norm over all stages
-and dp ranks (updates.py), or each asynchronous stage's own with the pipeline config's
+and dp ranks (update/held.py), or each asynchronous stage's own with the pipeline config's
 `grad_clip_scope: stage`.
 """
 

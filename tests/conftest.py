@@ -1,10 +1,99 @@
-"""Test-wide environment: offline Hub, a private HF_HOME, quiet transformers — set before any HF import."""
+"""Test-wide environment (offline Hub, a private HF_HOME, quiet transformers — set before any HF import),
+and the suite's tiers (docs/testing.md).
+
+`python -m pytest` runs the fast tier: unit and single-process specifications of behaviour. The other
+tiers are marked by what a test does, and run with `--all-tiers` (or by name, `-m launch`):
+
+- `multirank`: real gloo ranks of the session's rank pool (tests/ranks.py);
+- `launch`: fresh Python processes: train.py, torchrun, accelerate, the SLURM emulation, signals, scripts;
+- `package`: the wheel, built and installed in a fresh virtual environment;
+- `repo`: the repository itself: README and docs against the code, committed results against their arms.
+
+A fast-tier test cannot start a rank pool or a Python process unmarked: it fails saying which marker it
+needs, so the fast tier stays fast. Each tier has its own timeout per test.
+"""
 
 import os
+import subprocess
+import sys
 import tempfile
+
+import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="hf_asyncpp_test_hf_home_"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Per tier, the seconds one test may take (pytest-timeout): a fast-tier test that takes minutes belongs
+# to another tier.
+TIMEOUTS = {"fast": 120, "repo": 600, "multirank": 900, "launch": 900, "package": 900}
+TIERS = tuple(t for t in TIMEOUTS if t != "fast")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all-tiers", action="store_true",
+                     help="run every tier (multirank, launch, package, repo), not only the fast one")
+
+
+def tier_of(item) -> str:
+    return next((t for t in TIERS if item.get_closest_marker(t)), "fast")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not item.get_closest_marker("timeout"):  # the longest of its tiers'
+            tiers = [t for t in TIERS if item.get_closest_marker(t)] or ["fast"]
+            item.add_marker(pytest.mark.timeout(max(TIMEOUTS[t] for t in tiers)))
+    if config.getoption("--all-tiers") or config.getoption("markexpr"):
+        return
+    kept = [item for item in items if tier_of(item) == "fast"]
+    deselected = [item for item in items if tier_of(item) != "fast"]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+
+
+def pytest_report_header(config):
+    if not (config.getoption("--all-tiers") or config.getoption("markexpr")):
+        return "the fast tier only: --all-tiers runs them all (docs/testing.md)"
+    return None
+
+
+def _launches_python(args) -> bool:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    head = os.path.basename(str(argv[0])) if argv else ""
+    return str(argv[0]) == sys.executable or head.startswith(("python", "torchrun", "accelerate", "hf-asyncpp", "srun",
+                                                               "sbatch")) or head.endswith(".sh")
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request, monkeypatch):
+    """A test outside the tier that launches processes or ranks cannot start them: it fails naming its marker."""
+    tiers = {t for t in TIERS if request.node.get_closest_marker(t)}
+    if not tiers & {"launch", "package"}:
+        popen = subprocess.Popen.__init__
+
+        def refuse_python(self, args, *rest, **kwargs):
+            if _launches_python(args):
+                raise RuntimeError(f"{request.node.nodeid} starts a Python process ({args!r}): mark it "
+                                   "@pytest.mark.launch (docs/testing.md)")
+            return popen(self, args, *rest, **kwargs)
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
+    if "multirank" not in tiers and "tests.ranks" in sys.modules:
+        pool = sys.modules["tests.ranks"].POOL
+
+        def refuse_ranks(*args, **kwargs):
+            raise RuntimeError(f"{request.node.nodeid} runs on the rank pool: mark it @pytest.mark.multirank")
+
+        monkeypatch.setattr(pool, "run", refuse_ranks)
+    yield
+
+
+def pytest_sessionfinish(session):
+    """The rank pool lives for the session (tests/ranks.py) and ends with it."""
+    ranks = sys.modules.get("tests.ranks")
+    if ranks is not None:
+        ranks.POOL.close()

@@ -24,7 +24,7 @@ import torch
 
 import hf_asyncpp.models.pipeline_loss as pipeline_loss
 from hf_asyncpp import run
-from hf_asyncpp.updates import Updates
+from hf_asyncpp.update.rule import UpdateRule
 
 
 def plant_poison(token: int):
@@ -106,7 +106,7 @@ def kill_in_save(n: int) -> None:
 
 
 def drop_update(k: int) -> None:
-    original = Updates.step
+    original = UpdateRule.apply
     counts: dict[int, int] = {}
 
     def apply_unless_kth(self, updater, norm, stepper=None):
@@ -115,10 +115,9 @@ def drop_update(k: int) -> None:
             return original(self, updater, norm, stepper)
         for param in updater.params:
             param.grad = None
-        if hasattr(stepper, "skip"):
-            stepper.skip()
+        return False  # as a skip, so the emulator counts the unit; but neither counted nor reported as one
 
-    Updates.step = apply_unless_kth
+    UpdateRule.apply = apply_unless_kth
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.repo
+
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "ARCHITECTURE.md"
 CITED = re.compile(r"`([\w/.]+\.py)(?::\s*([\w.]+))?`")

@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 
 from hf_asyncpp.config import TrainConfig
-from hf_asyncpp.config_docs import BEGIN_MARKER, END_MARKER, keys_reference, update_reference
+from hf_asyncpp.config_docs import (
+    BEGIN_MARKER,
+    END_MARKER,
+    keys_reference,
+    update_reference,
+)
 from hf_asyncpp.run import main
+
+pytestmark = pytest.mark.repo
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 KEYS = [field.name for field in dataclasses.fields(TrainConfig)]

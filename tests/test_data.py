@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from hf_asyncpp.config import TrainConfig
-from hf_asyncpp.data.errors import DataError
 from hf_asyncpp.data import (
     BlockPacker,
     MinibatchSampler,
@@ -28,6 +27,7 @@ from hf_asyncpp.data import (
     shakespeare_files,
     training_data,
 )
+from hf_asyncpp.data.errors import DataError
 
 
 def _write_jsonl(path, rows):
@@ -280,6 +280,7 @@ def _prepare(*args) -> subprocess.CompletedProcess:
                           text=True, env=_env(), timeout=300)
 
 
+@pytest.mark.launch
 def test_prepared_shards_train_on_the_blocks_of_the_corpus_itself(tmp_path):
     """`hf-asyncpp prepare-data` streams the corpus through the one packing rule into Arrow shards and
     a manifest; a run on the shards reads the corpus's own blocks (in order) without tokenizing."""
@@ -296,6 +297,7 @@ def test_prepared_shards_train_on_the_blocks_of_the_corpus_itself(tmp_path):
         training_data(_config(dataset=corpus), load_tokenizer("builtin"), 0, 1).sampler, range(3))
 
 
+@pytest.mark.launch
 def test_prepared_shards_are_refused_at_another_seq_len_and_never_left_half_written(tmp_path):
     from hf_asyncpp.config import ConfigError
     from hf_asyncpp.config_checks import validate_config

@@ -44,6 +44,7 @@ def _train(tmp_path, out, *extra):
     return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
 
 
+@pytest.mark.launch
 def test_the_validation_loss_is_the_exported_models_loss_on_the_held_out_rows(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -89,6 +90,7 @@ def test_the_shipped_evaluate_metric_loads_offline_and_computes_the_token_weight
     assert abs(result["eval_loss"] - loss) < 1e-12 and abs(result["eval_perplexity"] - math.exp(loss)) < 1e-9
 
 
+@pytest.mark.launch
 def test_a_held_out_set_smaller_than_one_evaluation_batch_is_refused_before_the_first_step(tmp_path):
     """5% of 40 rows is 2 blocks, fewer than one evaluation batch of 2 × 2: said when the data is read,
     not at the first evaluation after steps were spent."""

@@ -83,6 +83,7 @@ def _narrow_moe_10b(path: Path) -> Path:
     return path
 
 
+@pytest.mark.launch
 def test_the_versioned_stage_benchmark_runs_on_cpu_beside_its_prediction(tmp_path):
     """The CPU path of benchmarks/gpu_versioned_stage.py (what the GPU run measures first): moe_10b's
     stage 0 cut, its first layer only, narrow widths, 4 microbatches a step; its prediction played on
@@ -105,9 +106,9 @@ def test_the_versioned_stage_benchmark_runs_on_cpu_beside_its_prediction(tmp_pat
     parts = plan["predicted_parts_gib"]
     # The fp32 master and the other version; a bf16 compute copy per version (both live at the peak).
     assert parts["parameter"] == parts["weight_version"] == parts["compute_copy"]
-    # One norm read per update, in updates.py, and nothing else.
+    # One norm read per update, in update/gradients.py, and nothing else.
     assert sum(plan["host_read_sites"].values()) == 2
-    assert all(site.startswith("hf_asyncpp/updates.py:") for site in plan["host_read_sites"])
+    assert all(site.startswith("hf_asyncpp/update/gradients.py:") for site in plan["host_read_sites"])
     assert measured["predicted_peak_gib"] == plan["predicted_peak_gib"] > 0
     assert measured["timed_microbatches"] == 4 and measured["ms_per_microbatch"] > 0
     assert measured["forward_ms"] > 0 and measured["backward_ms"] > 0 and measured["update_ms"] > 0

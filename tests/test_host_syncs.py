@@ -7,7 +7,7 @@ waits for before its compute is budgeted per update, below); per step and rank, 
 read under a synchronous schedule (its gradient norm, with the previous step's reduced statistics in
 the same transfer); under an asynchronous one, one per update applied — the host decides there
 whether a non-finite update is skipped — and nothing more: one of them carries the previous step's
-statistics (async_order.statistics_read). So PipeDream-2BW reads once a step, however it clips.
+statistics (update/held.statistics_read). So PipeDream-2BW reads once a step, however it clips.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from tests.host_reads import READS, host_reads_recorded
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
-from tests.test_engine_async import M, MBS, SEQ, _rows
+from tests.test_engine_async import MBS, SEQ, M, _rows
 
 STEPS = 5  # steps 2..4 are steady: the first infers shapes, the fifth drains
 STEADY = range(1, STEPS - 1)
@@ -55,16 +55,16 @@ def _reads_per_step(rank, world_size, schedule, optimizer, scope, ef):
         for k in range(STEPS):
             next_rows = rows[k + 1] if engine.forwards_ahead and k + 1 < STEPS else None
             applied = []
-            original_step = engine.executor.updates.step
+            original_step = engine.executor.update_rule.apply
 
             def counting_step(*args, **kwargs):
                 applied.append(1)
                 return original_step(*args, **kwargs)
 
-            engine.executor.updates.step = counting_step
+            engine.executor.update_rule.apply = counting_step
             with host_reads_recorded() as reads:
                 engine.train_step(rows[k], next_rows)
-            engine.executor.updates.step = original_step
+            engine.executor.update_rule.apply = original_step
             per_step.append([(r.kind, r.site, _in_microbatch(r.stack)) for r in reads])
             updates.append(len(applied))
         engine.finish()

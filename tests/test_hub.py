@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.hub_server import LoopbackHub
@@ -148,6 +149,7 @@ def _push(folder, repo_id, hub):
                           capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.launch
 def test_push_uploads_the_export_and_its_card_and_never_shows_the_token(tmp_path):
     out = _export(tmp_path)
     with LoopbackHub() as hub:
@@ -167,6 +169,7 @@ def _metadata_from_bytes(readme: bytes) -> dict:
     return yaml.safe_load(readme.decode().split("---")[1])
 
 
+@pytest.mark.launch
 def test_a_failed_upload_reports_the_error_and_keeps_the_local_files(tmp_path):
     out = _export(tmp_path)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -178,6 +181,7 @@ def test_a_failed_upload_reports_the_error_and_keeps_the_local_files(tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.launch
 def test_train_py_writes_the_card_and_pushes_the_export(tmp_path):
     """train.py with push_to_hub: the card lands in final/README.md and on the (loopback) Hub beside the
     weights, on the branch hub_revision of a repository created private; the token is in no file the

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.repo
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 

@@ -80,17 +80,17 @@ def _reference(tmp_path, out, data, schedule, *extra) -> None:
 def _main_without_update(rank, world_size, k, argv, log_dir):
     """tests/faults.py with IDENTITY_UPDATE=k, on a rank of the suite's pool: its drop_update(k) for
     train.py's main(argv) (tests/ranks.py), then the update rule put back for the rank's next run."""
-    from hf_asyncpp.updates import Updates
+    from hf_asyncpp.update.rule import UpdateRule
     from tests.faults import drop_update
     from tests.ranks import _train_py_main
 
     os.makedirs(log_dir, exist_ok=True)
-    original = Updates.step
+    original = UpdateRule.apply
     drop_update(k)
     try:
         return _train_py_main(rank, world_size, argv, str(log_dir))
     finally:
-        Updates.step = original
+        UpdateRule.apply = original
 
 
 def _records(out) -> list[dict]:
@@ -150,7 +150,9 @@ def test_skip_under_an_asynchronous_schedule_drops_exactly_that_update(tmp_path)
     args = ("pipedream-2bw", "--ef", "true", "--nonfinite_policy", "skip")
     done = _train(tmp_path, skipped, data, *args, fault={"POISON_TOKEN": POISON})
     assert done.returncode == 0, done.stderr[-3000:]
-    from tests.ranks import run_ranks  # the reference on the suite's pool, as faults.py IDENTITY_UPDATE=K runs it
+    from tests.ranks import (
+        run_ranks,  # the reference on the suite's pool, as faults.py IDENTITY_UPDATE=K runs it
+    )
 
     dropped = run_ranks(2, _main_without_update, K, _arguments(tmp_path, reference, data, *args), tmp_path / "logs")
     assert [code for code, _ in dropped] == [0, 0], dropped[0][1][-3000:]
@@ -453,7 +455,7 @@ def test_the_one_process_emulator_skips_an_update_as_the_pipeline_does():
     pipeline, skipped = run_ranks(2, _poisoned_run, 2)[0]
     emulated, emulated_skipped = run_ranks(1, _poisoned_run, 1)[0]
     assert emulated_skipped[K] == emulated_skipped[-1] == [1, 1] and sum(map(sum, emulated_skipped)) == 4
-    # Held for its global norm (updates.py), the pipeline's update of minibatch K is applied — here
+    # Held for its global norm (update/held.py), the pipeline's update of minibatch K is applied — here
     # skipped — and so reported in the next step; the last step's own, applied as it drains, with it.
     assert skipped[K + 1] == skipped[-1] == [1, 1] and sum(map(sum, skipped)) == 4
     assert pipeline.keys() == emulated.keys()

@@ -161,6 +161,7 @@ def test_launched_on_two_ranks_the_run_follows_the_recursion(tmp_path, launcher)
     _check_closing_lines(proc.stderr, out, schedule, flushed=schedule)
 
 
+@pytest.mark.launch
 def test_plain_python_runs_one_process_with_the_same_result(tmp_path):
     config, rows = _setup(tmp_path)
     out = tmp_path / "run"
@@ -173,6 +174,7 @@ def test_plain_python_runs_one_process_with_the_same_result(tmp_path):
     _check_run(out, losses, model, n_ranks=1)
 
 
+@pytest.mark.launch
 def test_accelerate_cpu_mode_that_would_run_undistributed_is_refused(tmp_path):
     out = tmp_path / "run"
     cmd = ["accelerate", "launch", "--cpu", "--num_processes", "2", *TRAIN, "--output_dir", str(out)]
@@ -184,7 +186,7 @@ def test_accelerate_cpu_mode_that_would_run_undistributed_is_refused(tmp_path):
 
 def _reference_2bw(config, rows):
     """PipeDream-2BW's rule written out with plain transformers + torch.optim: the gradient of
-    minibatch k is taken at x_{max(k−1, 0)} and applied to x_k (DESIGN: w_{k+1} = w_k − U(g_{k−1}(w_{k−1})),
+    minibatch k is taken at x_{max(k−1, 0)} and applied to x_k (the update rule w_{k+1} = w_k − U(g_{k−1}(w_{k−1})),
     with w_k = x_{k−1}); after the last step nothing is pending."""
     import copy
 
@@ -235,6 +237,7 @@ def test_pipedream_2bw_run_follows_the_one_step_delayed_recursion(tmp_path, laun
         _check_closing_lines(proc.stderr, out, "pipedream-2bw", flushed="1f1b")
 
 
+@pytest.mark.launch
 def test_epochs_and_a_warmup_ratio_become_steps_once_the_data_is_read(tmp_path):
     """num_train_epochs 1 over 29 blocks at 8 a step is ceil(3.625) = 4 steps, and a warmup_ratio of 0.5
     of them is 2 (rounded up, as Trainer does): the same run as max_steps 4, warmup_steps 2."""

@@ -32,6 +32,8 @@ from hf_asyncpp.models.presets import build_config
 from hf_asyncpp.study import load_study
 from hf_asyncpp.study.runner import check_arms
 
+pytestmark = pytest.mark.repo
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "training_scripts" / "configs").glob("*.yaml"))
 STUDIES = sorted((REPO / "training_scripts" / "studies").glob("*.yaml"))

@@ -6,7 +6,7 @@ every stage; the first is allowed, the second exceeds the limit: the run stops w
 then, and not before, each skipped update counted once, with the step of its gradient.
 
 - PipeDream-2BW clipped by the global norm: a stage holds its update until the pipeline's norm is in
-  (updates.py), so the skip is decided in the step after the gradient's; it is still counted with the
+  (update/held.py), so the skip is decided in the step after the gradient's; it is still counted with the
   gradient's step, and the stop comes two steps after it (the outcome travels in the next step's
   statistics).
 - PipeDream clipped per stage: each stage decides at once, one step after the step it reviews.

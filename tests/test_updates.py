@@ -1,4 +1,4 @@
-"""From gradients to an update (hf_asyncpp/updates.py): when the host reads a gradient norm, and how the run's
+"""From gradients to an update (hf_asyncpp/update/): when the host reads a gradient norm, and how the run's
 last update ends under Error Feedback (ef_last_update).
 
 On a GPU a host read of a device value waits for every kernel queued before it. A stage of an
@@ -16,35 +16,33 @@ unit of the last step by construction, and to the other setting's rule, which mu
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from tests.host_reads import host_reads_recorded
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
-from tests.test_engine_async import M, MBS, SEQ, _rows
+from tests.test_engine_async import MBS, SEQ, M, _rows
 from tests.test_engine_async_references import CLIPPED_SGD, _check, _pipeline, replay
 
 
 def _reads_while_posting(rank, world_size, scope, steps):
-    """PipeDream-2BW on 2 ranks clipping by `scope`: the host reads made inside each `Updates.post`."""
+    """PipeDream-2BW on 2 ranks clipping by `scope`: the host reads made inside each `HeldNorms.post`."""
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
-    from hf_asyncpp.updates import Updates
+    from hf_asyncpp.update.held import HeldNorms
 
     layout = init_parallel(read_launch(), 2)
-    posted, original = [], Updates.post
+    posted, original = [], HeldNorms.post
 
     def post_recording_reads(self, *args, **kwargs):
         with host_reads_recorded() as reads:
             original(self, *args, **kwargs)
         posted.append([read.kind for read in reads])
 
-    Updates.post = post_recording_reads
+    HeldNorms.post = post_recording_reads
     try:
         model_config = small_model_config("tiny-qwen3-moe")
         config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=2, schedule="pipedream-2bw", optimizer="adamw",
@@ -56,7 +54,7 @@ def _reads_while_posting(rank, world_size, scope, steps):
         engine.finish()
         return posted, [r.grad_norm for r in results]
     finally:
-        Updates.post = original
+        HeldNorms.post = original
         shutdown_parallel()
 
 
@@ -105,7 +103,10 @@ def test_the_last_update_is_counted_with_the_skipped_ones():
     plain, though the LR schedule has counted two applied updates before it. Reference: SGD with momentum on
     the applied gradients (its updates u do not depend on the weights), and EF's formula by hand."""
     from hf_asyncpp.config import TrainConfig
-    from hf_asyncpp.updates import GradNorm, Updater, Updates
+    from hf_asyncpp.update.gradients import GradNorm
+    from hf_asyncpp.update.report import StepReport
+    from hf_asyncpp.update.rule import UpdateRule
+    from hf_asyncpp.update.updater import Updater
 
     grads = [torch.tensor([[0.5, -1.0, 2.0]]), None, torch.tensor([[-0.2, 0.8, 0.1]]), torch.tensor([[0.9, -0.4, 1.1]])]
     sgd = dict(lr=0.1, momentum=0.9)
@@ -115,12 +116,11 @@ def test_the_last_update_is_counted_with_the_skipped_ones():
     module = torch.nn.Linear(3, 1, bias=False)
     start = module.weight.detach().clone()
     updater = Updater(config, [0], [0], [module], order=None)
-    updates = Updates(config, types.SimpleNamespace(dp_size=1, pp_size=1, device=torch.device("cpu")), [module], [0],
-                      gradients_averaged=True)
+    rule = UpdateRule(config.max_grad_norm, StepReport())
     for grad in grads:
         module.weight.grad = torch.zeros(1, 3) if grad is None else grad.clone()
         value = float("inf") if grad is None else 1.0
-        updates.step(updater, GradNorm(value, torch.tensor(value, dtype=torch.float64)))
+        rule.apply(updater, GradNorm(value, torch.tensor(value, dtype=torch.float64)))
 
     plain_sgd = torch.nn.Parameter(start.clone())
     optimizer = torch.optim.SGD([plain_sgd], **sgd)

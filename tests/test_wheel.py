@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.package
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Run from the installed wheel: the card of a one-step run, written by the export's writer.

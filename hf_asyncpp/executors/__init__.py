@@ -2,7 +2,7 @@
 
 - `SynchronousPipeline` (synchronous.py): a pipeline of pp ranks whose every step flushes;
 - `AsynchronousPipeline` (asynchronous.py): a pipeline whose stages update when the order says, on
-  stashed weight versions (each stage's update owned by a `StageUpdate`, stage_update.py);
+  stashed weight versions (each stage's update owned by a `StageUpdate`, update/stage.py);
 - `EmulatedRun` (emulated.py): an asynchronous schedule's update rule on one rank, no pipeline.
 """
 

@@ -3,10 +3,10 @@ flushing, microbatches bound to stashed weight versions.
 
 A step runs this rank's program for one segment of the continuous order (schedules/async_runtime.py):
 forwards into the next minibatch where the order does, and each stage's update happens inside the
-segment, at its REDUCE_GRAD, through the stage's `StageUpdate` (stage_update.py: versions, optimizer,
+segment, at its REDUCE_GRAD, through the stage's `StageUpdate` (update/stage.py: versions, optimizer,
 EF, held norm, routing biases). The run's last step drains: its held updates are applied with it.
 Parameters are sharded over dp without fully_shard: weight stashing needs one gathered copy per version
-(weight_versions.py); evaluation runs the masters through a forward-only program of its own.
+(update/versions.py); evaluation runs the masters through a forward-only program of its own.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from ..parallel.fsdp import compute_dtype, reduce_dtype, shard_parameters
 from ..parallel.mesh import start_communicators
 from ..schedules.async_runtime import AsyncPipelineSchedule
 from ..schedules.runtime import build_eval_schedule
-from ..schedules.weight_versions import VersionedStage
+from ..update.held import HeldNorms
+from ..update.stage import StageUpdate
+from ..update.versions import VersionedStage
 from .base import StepOutcome
 from .pipeline import PipelineExecutor
-from .stage_update import StageUpdate
 
 __all__ = ["AsynchronousPipeline"]
 
@@ -43,20 +44,22 @@ class AsynchronousPipeline(PipelineExecutor):
         self.versioned = [VersionedStage(module, order.n_buffers(s, layout.pp_size, m), dtype, reduce)
                           for module, s in zip(self.modules, self.stage_ids)]
         self._build_stages(model_config, self.versioned)
+        self.held = HeldNorms(self.norms, config.clips_by_global_norm)
         self.stage_updates = {
-            s: StageUpdate(i, s, versioned, updater, module.routing_load, self.updates, spec, config, layout.pp_size)
+            s: StageUpdate(i, s, versioned, updater, module.routing_load, self.held, self.update_rule, order, config,
+                           layout.pp_size)
             for i, (s, versioned, updater, module) in enumerate(zip(self.stage_ids, self.versioned, self.updaters,
                                                                       self.modules))}
         self.schedule = AsyncPipelineSchedule(self.stages, m, self.timer.timed(self.loss_fn), spec, config.max_steps,
                                               self.stage_updates, links=links,
-                                              updates_held=self.updates.holds_for_global_norm)
+                                              updates_held=self.held.holds_for_global_norm)
         # A minibatch's routing-bias update comes with its weight update (StageUpdate), from the loads of
         # its own microbatches' forwards (models/routing_bias.py).
         for stage, module in zip(self.stages, self.modules):
             if module.routing_load is not None:
                 module.routing_load.count_only_microbatches_of(stage)
         self._eval_schedule = None  # a forward-only program, built at the first evaluation
-        self.review_lag = 2 if self.updates.holds_for_global_norm else 1
+        self.review_lag = 2 if self.held.holds_for_global_norm else 1
         # Every stage has applied the same minibatches between two steps (not so for WPipe on a pipeline).
         self.evaluates_mid_run = spec.step_boundary(layout.pp_size, m).clean
 
@@ -64,7 +67,7 @@ class AsynchronousPipeline(PipelineExecutor):
         shard_parameters(module, dp_mesh)  # one gathered copy per version: not fully_shard (module docstring)
 
     def train_step(self, rows, next_rows, previous, drains) -> StepOutcome:
-        self.updates.start_step()  # a versioned stage frees its gradient as it updates: no zero_grad here
+        self.report.start_step()  # a versioned stage frees its gradient as it updates: no zero_grad here
         self.schedule.run_step(rows, next_rows, carry=previous)
         busy = self.timer.take()
         if drains:  # the drain: its held updates are reported with it
@@ -72,9 +75,8 @@ class AsynchronousPipeline(PipelineExecutor):
         return self._outcome(busy)
 
     def settle(self) -> None:
-        for index in self.updates.held_indices:
+        for index in self.held.held_indices:
             self.stage_updates[self.stage_ids[index]].complete()
-        self.schedule.updates_settled()
 
     @torch.no_grad()
     def evaluate(self, rows, return_logits):

@@ -1,7 +1,8 @@
 """What every kind of run holds, and the interface the engine drives it through.
 
 An executor owns this rank's stages (cut by models.plan_stages, built on this rank only), the updaters
-that step them, the `Updates` that clip, step or skip them, and the loss. The kinds differ in how
+that step them, the pieces of their update (update/: gradient norms, the update rule, the step's report;
+each kind adds how its stages update) and the loss. The kinds differ in how
 those are built (compute dtype, how parameters are sharded over dp, which stages update together) and
 in how a step, an evaluation, a checkpoint, a stop and a resume run: synchronous.py, asynchronous.py,
 emulated.py. The engine (engine.py) calls the methods below and nothing else.
@@ -22,7 +23,10 @@ from ..models.pipeline_loss import PipelineLoss
 from ..models.recompute import apply_activation_checkpointing
 from ..models.split import release_foreign_modules
 from ..parallel.mesh import broadcast_from_first_replica
-from ..updates import Updater, Updates
+from ..update.gradients import GradientNorms
+from ..update.report import StepReport
+from ..update.rule import UpdateRule
+from ..update.updater import Updater
 
 __all__ = ["Executor", "StepOutcome", "build_full_model"]
 
@@ -86,7 +90,9 @@ class Executor:
         groups = [[i] for i in range(len(self.modules))] if per_stage_updates else [list(range(len(self.modules)))]
         self.updaters = [Updater(config, g, [stage_ids[i] for i in g], [self.modules[i] for i in g], spec.order)
                          for g in groups]
-        self.updates = Updates(config, layout, self.modules, stage_ids, fsdp_managed)
+        self.report = StepReport()
+        self.norms = GradientNorms(layout, self.modules, stage_ids, fsdp_managed, self.report)
+        self.update_rule = UpdateRule(config.max_grad_norm, self.report)
 
     def _build_modules(self, model_config, model) -> list[torch.nn.Module]:
         config, layout = self.config, self.layout
@@ -112,11 +118,11 @@ class Executor:
     def _outcome(self, busy_s: float | None) -> StepOutcome:
         """The step's outcome from what the loss and the updates recorded; dp replicas hold the same
         gradients, so only the first reports them."""
-        updates, replica = self.updates, self.layout.dp_rank == 0
-        skipped, skipped_earlier = updates.take_skipped()
-        return StepOutcome(self.loss_fn.take(self.config.n_microbatches), busy_s, updates.ages if replica else {},
-                           updates.grad_sq_norm() if replica else None,
-                           updates.nonfinite_stages() if replica else {},
+        report, replica = self.report, self.layout.dp_rank == 0
+        skipped, skipped_earlier = report.take_skipped()
+        return StepOutcome(self.loss_fn.take(self.config.n_microbatches), busy_s, report.ages if replica else {},
+                           report.grad_sq_norm() if replica else None,
+                           report.nonfinite_stages() if replica else {},
                            skipped if replica else {}, skipped_earlier if replica else {})
 
     @property

@@ -8,6 +8,7 @@ import torch
 
 from ..emulation import EmulatedPipeline
 from ..parallel.mesh import start_communicators
+from ..update.together import EmulatedUpdates
 from .base import Executor, StepOutcome
 
 __all__ = ["EmulatedRun"]
@@ -21,15 +22,16 @@ class EmulatedRun(Executor):
         depth = self.emulated_depth = config.emulate_pp_size or 1
         super().__init__(config, model_config, layout, spec, model, depth, list(range(spec.n_stages(depth))),
                          dtype=None, fsdp_managed=False, per_stage_updates=True)
+        updates = EmulatedUpdates(self.norms, self.update_rule, config.clips_by_global_norm)
         self.emulated = EmulatedPipeline(self.modules, self.stage_ids, spec.order, depth, config.n_microbatches,
-                                         self.updaters, self.updates, config.router_bias_update_rate,
-                                         layout.dp_group)
+                                         self.updaters, updates, config.router_bias_update_rate, layout.dp_group)
 
     def train_step(self, rows, next_rows, previous, drains) -> StepOutcome:
-        self.updates.start_step()
+        self.report.start_step()
         for updater in self.updaters:
             updater.optimizer.zero_grad(set_to_none=True)
-        self.updates.ages = self.emulated.run_step(rows, self.loss_fn)
+        for stage, age in self.emulated.run_step(rows, self.loss_fn).items():
+            self.report.record_age(stage, age)
         return self._outcome(None)  # one process, no pipeline: all of the step is compute
 
     @torch.no_grad()

@@ -2,7 +2,7 @@
 
 A step: forward and backward of the minibatch's microbatches through the schedule's program
 (schedules/runtime.py), gradients accumulating; then one update of all local stages together, clipped
-by the norm over the whole pipeline (updates.py), whose one host read also reads the previous step's
+by the norm over the whole pipeline (update/together.py), whose one host read also reads the previous step's
 statistics; then DeepSeek-V3's routing biases from the step's loads (models/routing_bias.py), left as
 they are when the update was skipped. FSDP2 shards every stage fully over dp (compute dtype, gradient
 reduce-scatter).
@@ -15,6 +15,7 @@ import torch
 from ..parallel.fsdp import compute_dtype, fully_shard_stage, reduce_dtype, unshard_parameters
 from ..parallel.mesh import start_communicators
 from ..schedules import build_schedule
+from ..update.together import SynchronousUpdate
 from .base import StepOutcome
 from .pipeline import PipelineExecutor
 
@@ -35,12 +36,13 @@ class SynchronousPipeline(PipelineExecutor):
         self.schedule = build_schedule(spec, self.stages, config.n_microbatches, self.timer.timed(self.loss_fn), links)
         self._routing_loads = [(s, m.routing_load) for s, m in zip(self.stage_ids, self.modules)
                                if m.routing_load is not None]
+        self.update = SynchronousUpdate(self.norms, self.update_rule)
 
     def _shard(self, module, dp_mesh) -> None:
         fully_shard_stage(unshard_parameters(module), dp_mesh, self.dtype, self._reduce_dtype)
 
     def train_step(self, rows, next_rows, previous, drains) -> StepOutcome:
-        self.updates.start_step()
+        self.report.start_step()
         updater = self.updaters[0]
         updater.optimizer.zero_grad(set_to_none=True)
         for _, counter in self._routing_loads:
@@ -48,11 +50,12 @@ class SynchronousPipeline(PipelineExecutor):
         args = (rows,) if self.holds_first_stage else ()
         self.schedule.step(*args, target=rows if self.holds_last_stage else None, return_outputs=False)
         # The step's one host read: its norm, with the previous step's statistics.
-        self.updates.apply_synchronous(updater, read_along=previous)
+        self.update.apply(updater, read_along=previous)
         busy = self.timer.take()  # after the read: on a GPU the step's compute has finished
-        self.updates.ages = dict.fromkeys(self.stage_ids, 0)
+        for stage in self.stage_ids:
+            self.report.record_age(stage, 0)
         for stage, counter in self._routing_loads:
-            if stage not in self.updates.skipped:  # a skipped minibatch leaves the routing biases too
+            if not self.report.skipped_now(stage):  # a skipped minibatch leaves the routing biases too
                 counter.update_biases(self.config.router_bias_update_rate, self.config.n_microbatches,
                                       self.layout.dp_group)
         return self._outcome(busy)

@@ -8,7 +8,7 @@ Forward hooks with side effects (router statistics, routing loads) run eagerly
 (`torch.compiler.disable`): a Python list growing layer by layer would make every layer recompile.
 
 Weight stashing calls the stage through `torch.func.functional_call` with one weight version's tensors
-(schedules/weight_versions.py). The compiled layer reads its weights as graph inputs, not constants,
+(update/versions.py). The compiled layer reads its weights as graph inputs, not constants,
 so every version runs through the same graph on its own tensors (tests/models/test_compile.py checks
 the numerics of synchronous and asynchronous pipelines against eager ones).
 """

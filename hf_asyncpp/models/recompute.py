@@ -7,7 +7,7 @@ Modes (`activation_checkpointing`):
   - "none".
 
 A recomputation runs on the tensors the forward ran on. Under weight stashing a stage's parameters
-are bound to a weight version only while its forward runs (schedules/weight_versions.py), so the
+are bound to a weight version only while its forward runs (update/versions.py), so the
 tensors a block held at forward time are captured and bound again for its recomputation; when they
 are still bound (synchronous stages, FSDP2's unsharded parameters) the block simply runs again.
 Forward hooks that count (router statistics, routing loads) consult `is_recomputing()` so that a

@@ -15,7 +15,7 @@ When the bias moves follows the weights' update rule (the bias is a persistent b
     own forwards and applied together with minibatch k's weight update (PipeDream, which updates per
     microbatch: with the update of its last microbatch, so γ stays a per-minibatch step), so b_{v+1} = b_v + γ·sign(mean − load_k) whenever
     weight version v + 1 is x_v − U(g_k). The bias is versioned with the weights
-    (schedules/weight_versions.py): a microbatch routes, forward and backward, with the bias of the
+    (update/versions.py): a microbatch routes, forward and backward, with the bias of the
     weight version it is bound to. A stage's microbatches are forwarded in the order of their ids, so
     the pipeline takes the oldest n_microbatches recorded calls (`take_oldest`) when minibatch k's
     update is due, while forwards of minibatch k + 1 are already recorded behind them. Only the

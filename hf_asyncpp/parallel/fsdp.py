@@ -9,7 +9,7 @@ gradients over the microbatches and reduce-scatters them (averaged over dp) once
 Asynchronous schedules stash weight versions, and a microbatch must run on its own version while
 others run on another; fully_shard keeps one unsharded copy per parameter, so those stages are
 sharded by `shard_parameters` instead: the same Shard(0) layout over dp, with gathering done by
-the version store (schedules/weight_versions.py). Either way, every parameter is then a DTensor
+the version store (update/versions.py). Either way, every parameter is then a DTensor
 holding 1/dp of the rows, and so are its gradient, optimizer state (zeros_like) and EF buffer.
 """
 

@@ -21,8 +21,7 @@ from ..torch_internals import FORWARD, REDUCE_GRAD, _Action
 from .comm_plan import CommPlanner, P2PBatch
 from .errors import ScheduleError
 
-__all__ = ["AsyncOrder", "GlobalClipping", "SegmentPrograms", "StepBoundary", "check_versions", "held_spans",
-           "norm_reads", "replay_after", "statistics_read"]
+__all__ = ["AsyncOrder", "SegmentPrograms", "StepBoundary", "check_versions", "held_spans", "replay_after"]
 
 
 @dataclass(frozen=True)
@@ -111,71 +110,6 @@ class AsyncOrder:
             r: [a for k in range(n_steps) for a in self.segment(r, pp_size, n_microbatches, k, n_steps)]
             for r in range(pp_size)
         }
-
-
-class GlobalClipping:
-    """When a stage's update may be applied under clipping by the global gradient norm (all stages).
-
-    The update of unit u needs every stage's squared norm of u. A stage posts its own after its last
-    backward of u (the REDUCE_GRAD action; an all-reduce that nothing waits for yet) and applies the
-    update, clipped, only when it must: before its first forward on the version the update makes,
-    or before its next update (one update is pending per stage at most). A forward on version v needs
-    the stage's v-th update, that of unit v − 1. So no stage waits as long as every stage's norm of u
-    is posted before the first stage needs u's update: the one-step delay of PipeDream-2BW leaves
-    that slack; a stage with delay 0 (PipeDream's last one, WPipe's second group) has none, and waits
-    for the others' norms, or, when the missing norm is its own rank's later action, can never go on
-    (validate.check_program finds it)."""
-
-    def __init__(self, order: AsyncOrder, pp_size: int, n_microbatches: int):
-        self.order, self.pp_size, self.m = order, pp_size, n_microbatches
-
-    def unit_posted(self, update: _Action) -> int:
-        """The unit whose norm the stage's REDUCE_GRAD action `update` posts."""
-        return self.order.unit(update.microbatch_index, self.m)
-
-    def unit_awaited(self, action: _Action) -> int | None:
-        """The unit whose global norm (and so update, on this stage) must be complete before `action`
-        runs, if any: a forward's version's last update, or an update's predecessor."""
-        if action.computation_type == FORWARD:
-            version = self.order.version(action.stage_index, self.pp_size, action.microbatch_index, self.m)
-            return version - 1 if version > 0 else None
-        if action.computation_type == REDUCE_GRAD:
-            unit = self.unit_posted(action)
-            return unit - 1 if unit > 0 else None
-        return None
-
-
-def norm_reads(program, clipping: GlobalClipping | None, held: dict[int, int]) -> list[_Action]:
-    """The actions of a rank's step program before which the host reads an update's gradient norm
-    (updates.py): with `clipping`, updates held for the global norm, those that await a held unit
-    (`held`, stage → the unit it holds, is updated as the program runs); without, every update, read
-    at once."""
-    reads = []
-    for entry in program:
-        if not isinstance(entry, _Action):
-            continue
-        if clipping is None:
-            if entry.computation_type == REDUCE_GRAD:
-                reads.append(entry)
-            continue
-        awaited, unit = clipping.unit_awaited(entry), held.get(entry.stage_index)
-        if awaited is not None and unit is not None and unit <= awaited:
-            reads.append(entry)
-            del held[entry.stage_index]
-        if entry.computation_type == REDUCE_GRAD:
-            held[entry.stage_index] = clipping.unit_posted(entry)
-    return reads
-
-
-def statistics_read(reads: list[_Action], held_for_global_norm: bool) -> _Action | None:
-    """The norm read (of `norm_reads`) that also reads the previous step's statistics, in the same
-    transfer: the step's first one for updates held for the global norm (it already waits for every
-    stage's norm), its last for updates applied at once (read right after the stage's own backward:
-    the last leaves the other ranks the most time to have ended the previous step). None: no norm is
-    read in the step, and the statistics are read at its end."""
-    if not reads:
-        return None
-    return reads[0] if held_for_global_norm else reads[-1]
 
 
 def check_versions(order: AsyncOrder, pp_size: int, n_microbatches: int, n_steps: int) -> None:

@@ -16,9 +16,10 @@ in step k + 1:
     `VersionedStage` is bound to the version buffer the order assigns to that microbatch; autograd
     keeps the binding for the backward;
   - a stage's update is the program's REDUCE_GRAD action, run after the batch that sends the
-    backward's gradient on; clipping by the global norm may hold it (updates.py), and the runtime
-    asks for it where `GlobalClipping` says it is needed: before the stage's first forward on the
-    version it makes, and before the stage's next update;
+    backward's gradient on, through the stage's `StageUpdater` (update/stage.py); clipping by the
+    global norm may hold it (update/held.py), and the runtime asks for it where `GlobalClipping` says
+    it is needed: before the stage's first forward on the version it makes, and before the stage's
+    next update;
   - sends are never waited for within a step (a send whose receiver is in its next step would tie
     the two ranks' steps together); at the end of step k those of steps ≤ k − 2 are (a receive is
     posted at most one step after its send), so no more than two steps of sent tensors are kept, and
@@ -36,12 +37,14 @@ from collections.abc import Callable
 import torch
 
 from ..torch_internals import FORWARD, _Action
-from .async_order import GlobalClipping, SegmentPrograms, norm_reads, replay_after, statistics_read
+from ..update.held import GlobalClipping, norm_reads, statistics_read
+from ..update.stage import StageUpdater
+from ..update.versions import VersionedStage
+from .async_order import SegmentPrograms, replay_after
 from .comm_plan import is_compute
 from .registry import ScheduleSpec
 from .runtime import ProgramRuntime
 from .stage_hooks import ComputeCall, HookedStage
-from .weight_versions import VersionedStage
 
 __all__ = ["AsyncPipelineSchedule", "SENDS_KEPT_FOR_STEPS"]
 
@@ -52,16 +55,15 @@ SENDS_KEPT_FOR_STEPS = 2
 
 class AsyncPipelineSchedule(ProgramRuntime):
     def __init__(self, stages: list[HookedStage], n_microbatches: int, loss_fn: Callable, spec: ScheduleSpec,
-                 n_steps: int, stage_updates: dict, links: dict | None = None, updates_held: bool = False):
-        """`stage_updates`: per local stage index, what updates it (executors/stage_update.StageUpdate):
-        `gradient_ready(unit, version, grad_scale, carry)` when the stage's update is due — after the
-        backward of a minibatch's last microbatch (grad_scale 1/m), or after every backward for
-        per-microbatch orders (grad_scale 1); `unit` is the update unit, `version` the one the gradient
-        was taken at — and `complete(through_unit, carry)` when its updates up to `through_unit` must have
-        been applied (returns whether it applied one). `carry`: the previous step's statistics, given to
-        the one norm read of a step that `statistics_read` names. `spec`: an asynchronous schedule (its
-        order and placement). `updates_held`: updates wait for the global norm (updates.py). `stages`: each
-        forward is bound to its version by the stage's "weight_version" hook (stage_hooks.py)."""
+                 n_steps: int, stage_updates: dict[int, StageUpdater], links: dict | None = None,
+                 updates_held: bool = False):
+        """`stage_updates`: per local stage index, what updates it (update/stage.py): the runtime calls
+        `gradient_ready` when the stage's update is due, `complete` when its updates up to a unit must
+        have been applied, and reads `held_unit` to plan a step's norm reads. The previous step's
+        statistics go with the one norm read of a step that `statistics_read` names. `spec`: an
+        asynchronous schedule (its order and placement). `updates_held`: updates wait for the global norm
+        (update/held.py). `stages`: each forward is bound to its version by the stage's "weight_version"
+        hook (stage_hooks.py)."""
         order, self.pp_size = spec.order, stages[0].group_size
         self.n_slots = order.n_slots(self.pp_size, n_microbatches)
         super().__init__(stages, self.n_slots, loss_fn, scale_grads=False, links=links)
@@ -75,7 +77,6 @@ class AsyncPipelineSchedule(ProgramRuntime):
         self._forwarding: int | None = None  # the global microbatch of the forward running now
         self.updates_held = updates_held
         self._carry = None  # the previous step's statistics, for the step's statistics read
-        self._held: dict[int, int] = {}  # stage → the unit whose update it holds (updates_held)
         self._statistics_read_at: _Action | None = None
         self._rows: dict[int, torch.Tensor] = {}  # minibatch index → its rows, while it may be forwarded
         self.step_index = 0
@@ -124,12 +125,8 @@ class AsyncPipelineSchedule(ProgramRuntime):
 
     def _carried_by(self, action: _Action):
         """The statistics the norm read at `action` carries: the previous step's, at the step's one
-        statistics read (async_order.statistics_read), else None."""
+        statistics read (update/held.statistics_read), else None."""
         return self._carry if action == self._statistics_read_at else None
-
-    def updates_settled(self) -> None:
-        """Every held update was applied between steps (an evaluation, a checkpoint)."""
-        self._held.clear()
 
     def _await_for(self, action: _Action, carry=None) -> bool:
         """Apply the updates `action` needs applied (GlobalClipping); whether one was."""
@@ -165,7 +162,8 @@ class AsyncPipelineSchedule(ProgramRuntime):
                 if a.stage_index in (0, self._num_stages - 1):
                     self._microbatch(j)  # its rows were given
         # The one host read of a steady step: an update's norm, with the previous step's statistics.
-        reads = norm_reads(program, self.clipping if self.updates_held else None, self._held)
+        held = {s: u.held_unit for s, u in self.stage_updates.items() if u.held_unit is not None}
+        reads = norm_reads(program, self.clipping if self.updates_held else None, held)
         self._statistics_read_at = statistics_read(reads, self.updates_held)
         # Forwards take their rows and labels by microbatch id (_on_its_version, _after_forward).
         flat, batches = self._lowered(program, slot=lambda j: j % self.n_slots)

@@ -15,7 +15,8 @@ from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZer
 from ..torch_internals import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 
 from .actions import ComputeActions, gpipe_actions, one_f_one_b_actions, torch_multi_stage_actions
-from .async_order import AsyncOrder, GlobalClipping, SegmentPrograms, StepBoundary, check_versions
+from ..update.held import GlobalClipping
+from .async_order import AsyncOrder, SegmentPrograms, StepBoundary, check_versions
 from .pipedream import PIPEDREAM, PIPEDREAM_2BW
 from .sync_start import SyncStart
 from .comm_plan import plan_program
@@ -87,7 +88,7 @@ class ScheduleSpec:
 
         For an asynchronous schedule: VALIDATION_STEPS steps of its continuous order (global
         microbatch ids), each segment planned as its runtime plans it, and its weight versions;
-        `clip_globally`: with its updates waiting for global gradient norms (async_order.GlobalClipping)."""
+        `clip_globally`: with its updates waiting for global gradient norms (update/held.GlobalClipping)."""
         if self.order is None:
             actions = self.make_actions(pp_size, n_microbatches)
             check_schedule(actions, pp_size, self.n_stages(pp_size), n_microbatches)

@@ -17,7 +17,7 @@ runtime executes) and plays every rank's program against the others under NCCL's
     waits for the batch holding its receive, a `None` entry for every send its rank posted;
   - data dependencies: a send only after the compute that produces it; stage s forwards microbatch i
     only after stage s−1 did, backwards it only after stage s+1 did;
-  - global clipping (`clipping`, async_order.GlobalClipping): a forward on a new version, or a
+  - global clipping (`clipping`, update/held.GlobalClipping): a forward on a new version, or a
     stage's next update, waits until every stage has posted the gradient norm of the update unit
     it needs; the norms are all-reduced on a group of their own, one per update, so every rank must
     post them for the same units in the same order (one stage per rank);
@@ -70,7 +70,7 @@ from .errors import ScheduleError
 from .comm_plan import Collective, HostWait, P2PBatch, PlanError, Program, is_compute, matching_receive, peer_of, plan_program
 
 if TYPE_CHECKING:
-    from .async_order import GlobalClipping
+    from ..update.held import GlobalClipping
 
 __all__ = ["Timeline", "check_program", "check_schedule"]
 

@@ -163,7 +163,11 @@ def _old_or_edited(run, tmp_path, edit=None):
     `edit`, in the format of earlier versions: the pipeline's keys in trainer_state.json, no pipeline_state.json."""
     import hashlib
 
-    from hf_asyncpp.checkpoint.checkpoints import MANIFEST, PIPELINE_STATE, TRAINER_STATE
+    from hf_asyncpp.checkpoint.checkpoints import (
+        MANIFEST,
+        PIPELINE_STATE,
+        TRAINER_STATE,
+    )
 
     copy = shutil.copytree(run / f"checkpoint-{STEPS}", tmp_path / f"checkpoint-{STEPS}")
     state = json.loads((copy / PIPELINE_STATE).read_text())
@@ -187,6 +191,7 @@ def _cli_export(*args):
                           text=True, timeout=300)
 
 
+@pytest.mark.launch
 def test_a_checkpoint_of_an_earlier_version_is_refused_with_one_error_line_and_nothing_written(deepseek_run, tmp_path):
     from hf_asyncpp.config import ConfigError, TrainConfig
     from hf_asyncpp.config_checks import validate_config
@@ -201,6 +206,7 @@ def test_a_checkpoint_of_an_earlier_version_is_refused_with_one_error_line_and_n
                                     output_dir=str(tmp_path / "run")), 2)
 
 
+@pytest.mark.launch
 def test_a_directory_that_is_no_checkpoint_and_an_occupied_out_dir_are_refused(deepseek_run, tmp_path):
     from hf_asyncpp.checkpoint import CheckpointError, export_checkpoint
 

@@ -286,7 +286,11 @@ def test_a_checkpoint_loads_into_another_dp_and_pp_layout(tmp_path):
 
 
 def _resume_with(rank, world_size, pp_size, n_microbatches, output_dir, sync_steps=0):
-    from hf_asyncpp.checkpoint.checkpoints import CheckpointError, find_checkpoint, load_checkpoint
+    from hf_asyncpp.checkpoint.checkpoints import (
+        CheckpointError,
+        find_checkpoint,
+        load_checkpoint,
+    )
     from hf_asyncpp.engine import PipelineEngine
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
@@ -340,6 +344,7 @@ def _train_py(out, *overrides):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.launch
 def test_a_checkpoint_carries_transformers_trainer_state_and_a_resumed_run_continues_its_log(tmp_path):
     """train.py on one process, evaluating and saving every 2 steps: each checkpoint's
     trainer_state.json is a `transformers.TrainerState` of that step; the run's own resume keys are in

@@ -154,6 +154,7 @@ def _export_without_lm_head(rank, world_size, out_dir):
         shutdown_parallel()
 
 
+@pytest.mark.multirank
 def test_export_refuses_a_state_that_does_not_cover_the_model(tmp_path):
     (message,) = run_ranks(1, _export_without_lm_head, str(tmp_path / "final"))
     assert "missing ['lm_head.weight']" in message

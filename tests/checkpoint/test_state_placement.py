@@ -28,7 +28,7 @@ def _engine(optimizer: str, ef: bool, stepped: bool):
     optimizer has taken one step (so it holds state to save)."""
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.models import build_model
-    from hf_asyncpp.updates import Updater
+    from hf_asyncpp.update.updater import Updater
 
     model_config = small_model_config("tiny-qwen3-moe")
     config = TrainConfig(model_config="tiny-qwen3-moe", optimizer=optimizer, ef=ef, learning_rate=1e-3)
@@ -45,7 +45,10 @@ def _engine(optimizer: str, ef: bool, stepped: bool):
 
 def _metadata(state: dict) -> dict:
     """{key: storage metadata} of a saved state dict, as a checkpoint's metadata lists it."""
-    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     return {k: TensorStorageMetadata(TensorProperties(dtype=v.dtype), v.size(), []) for k, v in state.items()}
 

@@ -37,10 +37,14 @@ import torch
 from hf_asyncpp.models import build_stages, plan_stages
 from hf_asyncpp.models.compile import compile_layers
 from hf_asyncpp.models.recompute import apply_activation_checkpointing
-from hf_asyncpp.schedules.weight_versions import VersionedStage
+from hf_asyncpp.update.versions import VersionedStage
+
 from tests.models.test_recompute import _loss
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
+
+# Inductor builds its kernels in compile worker processes.
+pytestmark = pytest.mark.launch
 
 TOL = 2e-5
 INDUCTOR_CHECKED = {"tiny-qwen3-moe", "tiny-llama"}
@@ -138,9 +142,9 @@ def test_each_weight_version_runs_through_the_compiled_layers_on_its_own_weights
 
 
 def _pipeline(rank, world_size, schedule):
-    from tests.parallel.test_fsdp import _train
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+    from tests.parallel.test_fsdp import _train
 
     layout = init_parallel(read_launch(), 2)
     try:

@@ -16,7 +16,7 @@ import torch
 
 from hf_asyncpp.models import build_stages, plan_stages
 from hf_asyncpp.models.recompute import apply_activation_checkpointing
-from hf_asyncpp.schedules.weight_versions import VersionedStage
+from hf_asyncpp.update.versions import VersionedStage
 from tests.test_engine import small_model_config
 
 FAMILIES = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-llama"]

@@ -25,9 +25,9 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining.schedules import FORWARD
 
-from tests.ranks import run_ranks
 from hf_asyncpp.schedules import ScheduleError, get_schedule_spec
 from hf_asyncpp.schedules.async_order import replay_after
+from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
 
 TOL = 1e-5
@@ -82,7 +82,7 @@ def test_each_weight_version_routes_with_its_own_bias():
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.engine import build_full_model
     from hf_asyncpp.models import build_stage_modules, plan_stages
-    from hf_asyncpp.schedules.weight_versions import VersionedStage
+    from hf_asyncpp.update.versions import VersionedStage
 
     model_config = small_model_config(PRESET)
     config = TrainConfig(model_config=PRESET, seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4)

@@ -182,6 +182,7 @@ def test_a_run_that_does_not_finish_in_time_names_the_stuck_ranks(pool, capfd):
     assert pool.pids() == []
 
 
+@pytest.mark.launch
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_ranks_do_not_outlive_a_killed_parent(tmp_path):
     script = tmp_path / "parent.py"

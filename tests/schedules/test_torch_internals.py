@@ -373,7 +373,7 @@ def test_muon_learning_rate_scaling_is_torchs():
 
 
 def test_flat_dense_tensor_buffers_round_trip():
-    """updates.py all-reduces a stage's gradients as one flat buffer."""
+    """update/gradients.py all-reduces a stage's gradients as one flat buffer."""
     grads = [torch.arange(6.0).reshape(2, 3), torch.ones(4)]
     flat = torch._utils._flatten_dense_tensors(grads)
     assert flat.shape == (10,)
@@ -415,7 +415,12 @@ def test_module_slots_fake_tensors_and_the_grouped_mm_op():
     registers a fake kernel for `aten._grouped_mm`; the memory tracker reads a DTensor's shard."""
     from torch.distributed.tensor import DTensor
 
-    from hf_asyncpp.torch_internals import FakeTensor, FakeTensorMode, local_shard, own_slots
+    from hf_asyncpp.torch_internals import (
+        FakeTensor,
+        FakeTensorMode,
+        local_shard,
+        own_slots,
+    )
 
     module = torch.nn.Linear(2, 2)
     parameters, buffers = own_slots(module)

@@ -24,7 +24,12 @@ from torch.distributed.pipelining.schedules import (
     _Action,
 )
 
-from hf_asyncpp.schedules import SCHEDULES, ScheduleError, check_schedule, get_schedule_spec
+from hf_asyncpp.schedules import (
+    SCHEDULES,
+    ScheduleError,
+    check_schedule,
+    get_schedule_spec,
+)
 from hf_asyncpp.schedules.actions import gpipe_actions, one_f_one_b_actions
 from hf_asyncpp.schedules.comm_plan import Collective, HostWait, P2PBatch, plan_program
 from hf_asyncpp.schedules.registry import MODEL_COSTS
@@ -490,7 +495,8 @@ def _programs_with_statistics(spec, pp_size, m, steps, clip_globally, carried=Tr
     step's statistics with one update's norm where `statistics_read` puts it (or, in a step without a
     norm read, at its end), then the step's statistics all-reduce on the default group; `carried`
     False: every step reads them at its end instead (as before issue 38)."""
-    from hf_asyncpp.schedules.async_order import GlobalClipping, SegmentPrograms, norm_reads, statistics_read
+    from hf_asyncpp.schedules.async_order import SegmentPrograms
+    from hf_asyncpp.update.held import GlobalClipping, norm_reads, statistics_read
 
     ranks, to_rank = frozenset(range(pp_size)), spec.stage_ranks(pp_size).__getitem__
     segments = SegmentPrograms(spec.order, pp_size, m, steps, to_rank, spec.n_stages(pp_size), 0, None)
@@ -515,7 +521,7 @@ def _programs_with_statistics(spec, pp_size, m, steps, clip_globally, carried=Tr
 @pytest.mark.parametrize("sync_steps", [0, 2])
 @pytest.mark.parametrize("clip_globally", [True, False])
 def test_the_previous_steps_statistics_read_with_an_updates_norm_cannot_deadlock(name, sync_steps, clip_globally):
-    """The host read of a steady step (async_order.statistics_read): an update's norm and, in the same
+    """The host read of a steady step (update/held.statistics_read): an update's norm and, in the same
     transfer, the previous step's statistics, which waits for every rank's all-reduce of them. Played
     where it happens, with the all-reduce between segments and the updates held for the global norm (or
     applied at once), at pp 2, 4, 8 and every m the schedule accepts: no deadlock, no crossing, and in
@@ -549,7 +555,7 @@ def test_reading_the_statistics_with_a_norm_makes_no_rank_wait_in_the_timing_mod
     assert finish[True] == finish[False]
 
 
-# --- clipping by the global norm (async_order.GlobalClipping) -----------------------------------
+# --- clipping by the global norm (update/held.GlobalClipping) -----------------------------------
 
 
 def test_under_global_clipping_a_forward_awaits_the_update_its_version_needs_and_an_update_its_predecessor():
@@ -557,8 +563,8 @@ def test_under_global_clipping_a_forward_awaits_the_update_its_version_needs_and
     microbatch j on stage s of 4 on x(j − (3 − s)); an update waits for the stage's previous one."""
     from torch.distributed.pipelining.schedules import FORWARD, REDUCE_GRAD, _Action
 
-    from hf_asyncpp.schedules.async_order import GlobalClipping
     from hf_asyncpp.schedules.pipedream import PIPEDREAM, PIPEDREAM_2BW
+    from hf_asyncpp.update.held import GlobalClipping
 
     two_bw = GlobalClipping(PIPEDREAM_2BW, 2, 4)
     assert [two_bw.unit_awaited(_Action(1, FORWARD, j)) for j in range(0, 16, 4)] == [None, None, 0, 1]

@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from hf_asyncpp.study.processes import ArmProcesses
 
 # Exits with 7 on SIGTERM, as an arm's run ends cleanly after its checkpoint.
@@ -18,6 +20,7 @@ _ARM = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.
         "print('ready', flush=True); time.sleep(60)")
 
 
+@pytest.mark.launch
 def test_a_stop_sends_sigterm_to_each_running_arm_and_starts_no_more(tmp_path):
     processes, started = ArmProcesses(lambda *_: None), []
     pids, statuses = [], []
@@ -42,6 +45,7 @@ def test_a_stop_sends_sigterm_to_each_running_arm_and_starts_no_more(tmp_path):
     assert started == []  # nothing started
 
 
+@pytest.mark.launch
 def test_an_arm_is_sent_sigterm_once_its_stop_condition_holds_and_the_others_run_on(tmp_path):
     processes = ArmProcesses(lambda *_: None)
     counting = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"

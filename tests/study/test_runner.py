@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from hf_asyncpp.provenance import NUMERICS
 from hf_asyncpp.study import load_study
 from hf_asyncpp.study.grid import Arm
@@ -153,6 +155,7 @@ def test_checkpointing_the_arms_keeps_the_finished_ones_finished(tmp_path):
     assert _finished(directory, _settings(checkpointed, ARM))
 
 
+@pytest.mark.launch
 def test_a_rerun_is_refused_while_an_arm_of_an_earlier_run_still_writes_its_directory(tmp_path):
     """A study killed outright (SIGKILL) leaves its arms running; a rerun would start a second process
     writing the same directory. The process running.json names counts only while its command line

@@ -1,7 +1,7 @@
 """An asynchronous stage's weight versions (`VersionedStage`), one process, unsharded.
 
 - Gradient accumulation under bf16 compute: each microbatch's bf16 gradient is added into an fp32
-  sum per buffer (DESIGN: "gradient accumulation across microbatches stays fp32"), which becomes
+  sum per buffer (accumulation across microbatches stays fp32, as FSDP2 keeps it), which becomes
   the master's gradient.
 - Two buffers are all PipeDream-2BW holds: the master is the newest of them, an update is written
   into the other, and a microbatch in flight on the previous version keeps its weights."""
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from hf_asyncpp.schedules.weight_versions import VersionedStage
+from hf_asyncpp.update.versions import VersionedStage
 
 M = 8  # microbatches accumulated on one buffer before the move to the master
 SCALE = 1.0 / M  # what the engine passes for a once-per-minibatch update
