@@ -13,6 +13,7 @@ A fast-tier test cannot start a rank pool or a Python process unmarked: it fails
 needs, so the fast tier stays fast. Each tier has its own timeout per test.
 """
 
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -62,10 +63,14 @@ def pytest_report_header(config):
 
 
 def _launches_python(args) -> bool:
-    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-    head = os.path.basename(str(argv[0])) if argv else ""
-    return str(argv[0]) == sys.executable or head.startswith(("python", "torchrun", "accelerate", "hf-asyncpp", "srun",
-                                                               "sbatch")) or head.endswith(".sh")
+    """Whether a command starts Python: an interpreter, a launcher, the CLI, or a shell script."""
+    argv = [str(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else list(args))]
+    if not argv:
+        return False
+    head = os.path.basename(argv[0])
+    script = head in ("bash", "sh") and len(argv) > 1 and argv[1].endswith(".sh")
+    return argv[0] == sys.executable or script or head.endswith(".sh") or head.startswith(
+        ("python", "torchrun", "accelerate", "hf-asyncpp", "srun", "sbatch"))
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +87,11 @@ def _tier_guard(request, monkeypatch):
             return popen(self, args, *rest, **kwargs)
 
         monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
+    if not tiers & {"launch", "multirank"}:
+        def refuse_process(self, *args, **kwargs):
+            raise RuntimeError(f"{request.node.nodeid} starts a process ({self.name}): mark it @pytest.mark.launch")
+
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_process)
     if "multirank" not in tiers and "tests.ranks" in sys.modules:
         pool = sys.modules["tests.ranks"].POOL
 

@@ -45,6 +45,7 @@ def test_what_the_gpu_image_brings_is_in_the_supported_ranges(name, image_versio
     assert requirement.specifier.contains(image_version)
 
 
+@pytest.mark.launch
 def test_the_study_run_packs_every_finished_arm_and_the_report_but_no_checkpoint(study_file, tmp_path):  # noqa: F811
     # A finished arm deletes its checkpoints; an arm stopped by the time limit keeps its latest, as does
     # this one, an arm of an earlier grid the study leaves alone.

@@ -28,6 +28,7 @@ def _shards(out) -> list[torch.Tensor]:
             for s in manifest["shards"]]
 
 
+@pytest.mark.launch  # worker processes of datasets.map
 def test_any_number_of_processes_writes_the_corpus_blocks_into_the_same_shards(tmp_path):
     corpus = _corpus(tmp_path, "jsonl", n_files=5, docs_per_file=3)
     direct = build_token_blocks(corpus, load_tokenizer("builtin"), 8)

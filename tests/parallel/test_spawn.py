@@ -15,6 +15,8 @@ import torch
 
 from hf_asyncpp.parallel.spawn import RankPool, run_ranks
 
+pytestmark = pytest.mark.launch  # each test starts rank processes of its own
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
