@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_study import study_file  # noqa: F401  (a fixture: a three-arm, two-seed study)
+from tests.study.test_study_runs import study_file  # noqa: F401  (a fixture: a three-arm, two-seed study)
 
 REPO = Path(__file__).resolve().parents[1]
 

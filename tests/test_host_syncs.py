@@ -17,7 +17,7 @@ import pytest
 from tests.host_reads import READS, host_reads_recorded
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
-from tests.test_engine_async import MBS, SEQ, M, _rows
+from tests.executors.test_asynchronous import MBS, SEQ, M, _rows
 
 STEPS = 5  # steps 2..4 are steady: the first infers shapes, the fifth drains
 STEADY = range(1, STEPS - 1)

@@ -448,9 +448,9 @@ def _poisoned_run(rank, world_size, pp_size: int):
 def test_the_one_process_emulator_skips_an_update_as_the_pipeline_does():
     """The emulator's history must count the skipped unit as a version, as the pipeline publishes its
     unchanged master: otherwise every later gradient would be taken at weights one update older.
-    Tolerance: the emulator and the pipeline agree to float rounding (tests/test_engine_async.py)."""
+    Tolerance: the emulator and the pipeline agree to float rounding (tests/executors/test_asynchronous.py)."""
     from tests.ranks import run_ranks
-    from tests.test_engine_async import TOL
+    from tests.executors.test_asynchronous import TOL
 
     pipeline, skipped = run_ranks(2, _poisoned_run, 2)[0]
     emulated, emulated_skipped = run_ranks(1, _poisoned_run, 1)[0]

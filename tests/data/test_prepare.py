@@ -16,7 +16,7 @@ import torch
 from hf_asyncpp.data import build_token_blocks, load_tokenizer
 from hf_asyncpp.data.errors import DataError
 from hf_asyncpp.data.prepare import prepare_data
-from tests.test_data import _corpus
+from tests.data.test_blocks import _corpus
 
 
 def _shards(out) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from hf_asyncpp.config import TrainConfig
 from hf_asyncpp.data import build_token_blocks, load_tokenizer, training_data
 from hf_asyncpp.data.prepare import prepare_data
 from hf_asyncpp.data.prepared import PreparedBlocks
-from tests.test_data import _corpus
+from tests.data.test_blocks import _corpus
 
 
 def _config(**values) -> TrainConfig:

@@ -124,7 +124,7 @@ def test_emulated_2bw_at_two_depths_is_one_run_up_to_floating_point_order():
     2BW emulated at depth 2 and at depth 4 end with the same losses and weights."""
     import torch
 
-    from tests.test_engine_async import TOL, _final_state
+    from tests.executors.test_asynchronous import TOL, _final_state
 
     (state_2, losses_2), (state_4, losses_4) = (run_ranks(1, _final_state, 1, "pipedream-2bw", depth, "global")[0]
                                                 for depth in (2, 4))

@@ -14,7 +14,7 @@ import yaml
 
 from hf_asyncpp.study.reproduce import PREFIX_RTOL, TOLERANCE, compare_records
 from tests.study.test_tuning import _study_file, _valley, fake_runs  # noqa: F401  (the fixture)
-from tests.test_study import study_file  # noqa: F401  (the fixture)
+from tests.study.test_study_runs import study_file  # noqa: F401  (the fixture)
 
 
 def _train(step, loss, seconds=1.0):

@@ -243,7 +243,7 @@ def test_the_emulated_run_equals_the_pipeline_run_with_clipping_and_lr_warmup(sc
     """The same config on 2 ranks and emulated on one process at depth 2: same weights, same losses,
     with clipping (max_grad_norm small enough to clip every step) by the global norm, or each stage
     by its own, and a warm-up. (WPipe cannot clip globally: config_checks refuses it.) The scope's
-    meaning itself is held to a reference in tests/test_engine_async_references.py."""
+    meaning itself is held to a reference in tests/executors/test_asynchronous_references.py."""
     import torch
 
     pipeline_state, pipeline_losses = next(r for r in run_ranks(2, _final_state, 2, schedule, 0, scope) if r)

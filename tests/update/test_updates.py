@@ -10,7 +10,7 @@ the Python-level reads (tests/host_reads.py) made while an update is posted.
 
 Error Feedback moves the weights by u_t + λ(u_t − u_{t−1}); under `ef_last_update: trajectory` the run's
 last update of each stage lands them on the trajectory of the optimizer's updates alone, z_0 − Σ u_t. Every kind of run is held to the written rule replayed by
-hand with torch.optim (tests/test_engine_async_references.py, `replay`), where the last update is the last
+hand with torch.optim (tests/executors/test_asynchronous_references.py, `replay`), where the last update is the last
 unit of the last step by construction, and to the other setting's rule, which must miss it.
 """
 
@@ -22,8 +22,8 @@ import torch
 from tests.host_reads import host_reads_recorded
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
-from tests.test_engine_async import MBS, SEQ, M, _rows
-from tests.test_engine_async_references import CLIPPED_SGD, _check, _pipeline, replay
+from tests.executors.test_asynchronous import MBS, SEQ, M, _rows
+from tests.executors.test_asynchronous_references import CLIPPED_SGD, _check, _pipeline, replay
 
 
 def _reads_while_posting(rank, world_size, scope, steps):

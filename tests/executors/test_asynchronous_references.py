@@ -16,7 +16,7 @@ t: the update unit, versions never below 0):
 The model is dense (tiny-llama): top-k routing is discontinuous, so a rounding difference of 1e-7
 can send a near-tied token to another expert and move weights by a whole update (seen once: 5e-3
 after 24 AdamW updates of tiny-qwen3-moe); the rules are about weight versions, not routing, and the
-MoE families are held to the emulator in tests/test_engine_async.py.
+MoE families are held to the emulator in tests/executors/test_asynchronous.py.
 
 The pipeline runs on 2 and 4 gloo ranks with the same initial weights (handed in as the model) and
 explicit stage boundaries, so the reference knows which stage a parameter belongs to without asking
@@ -51,7 +51,7 @@ PRESET = "tiny-llama"  # dense: see the module docstring
 LR, BETAS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 0.01
 # Clipping's tests: a norm below every gradient's (0.7 to 2.3 here), so every update is clipped.
 CLIPPED_SGD = dict(lr=0.1, momentum=0.9, max_norm=0.2)
-# Error Feedback's λ where a test turns it on (tests/test_updates.py): not 1, so that a rule dropping λ fails;
+# Error Feedback's λ where a test turns it on (tests/update/test_updates.py): not 1, so that a rule dropping λ fails;
 # a power of two, so that λ·(u − u_prev) rounds alike on both sides.
 EF_LAMBDA = 2.0
 
