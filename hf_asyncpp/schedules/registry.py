@@ -21,7 +21,8 @@ from .pipedream import PIPEDREAM, PIPEDREAM_2BW
 from .sync_start import SyncStart
 from .comm_plan import plan_program
 from .errors import ScheduleError
-from .validate import Timeline, check_program, check_schedule
+from .play import Timeline
+from .validate import check_program, check_schedule
 from .wpipe import WPIPE
 
 __all__ = ["MODEL_COSTS", "ScheduleSpec", "SCHEDULES", "get_schedule_spec", "model_cost", "register_schedule"]
