@@ -9,8 +9,8 @@ tiers are marked by what a test does, and run with `--all-tiers` (or by name, `-
 - `package`: the wheel, built and installed in a fresh virtual environment;
 - `repo`: the repository itself: README and docs against the code, committed results against their arms.
 
-A fast-tier test cannot start a rank pool or a Python process unmarked: it fails saying which marker it
-needs, so the fast tier stays fast. Each tier has its own timeout per test.
+A fast-tier test cannot start a rank pool or a process unmarked: it fails saying which marker it needs,
+so the fast tier stays fast. Each tier has its own timeout per test.
 """
 
 import multiprocessing.process
@@ -75,30 +75,28 @@ def _launches_python(args) -> bool:
 
 @pytest.fixture(autouse=True)
 def _tier_guard(request, monkeypatch):
-    """A test outside the tier that launches processes or ranks cannot start them: it fails naming its marker."""
-    tiers = {t for t in TIERS if request.node.get_closest_marker(t)}
-    if not tiers & {"launch", "package"}:
-        popen = subprocess.Popen.__init__
+    """A fast-tier test cannot start a Python process or use the rank pool: it fails naming the marker it
+    needs. (A multi-rank test may also launch: torchrun, where the launcher itself is tested.)"""
+    if any(request.node.get_closest_marker(t) for t in TIERS):
+        yield
+        return
+    popen, test = subprocess.Popen.__init__, request.node.nodeid
 
-        def refuse_python(self, args, *rest, **kwargs):
-            if _launches_python(args):
-                raise RuntimeError(f"{request.node.nodeid} starts a Python process ({args!r}): mark it "
-                                   "@pytest.mark.launch (docs/testing.md)")
-            return popen(self, args, *rest, **kwargs)
+    def refuse_python(self, args, *rest, **kwargs):
+        if _launches_python(args):
+            raise RuntimeError(f"{test} starts a Python process ({args!r}): mark it @pytest.mark.launch (docs/testing.md)")
+        return popen(self, args, *rest, **kwargs)
 
-        monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
-    if not tiers & {"launch", "multirank"}:
-        def refuse_process(self, *args, **kwargs):
-            raise RuntimeError(f"{request.node.nodeid} starts a process ({self.name}): mark it @pytest.mark.launch")
+    def refuse_process(self, *args, **kwargs):
+        raise RuntimeError(f"{test} starts a process ({self.name}): mark it @pytest.mark.launch (docs/testing.md)")
 
-        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_process)
-    if "multirank" not in tiers and "tests.ranks" in sys.modules:
-        pool = sys.modules["tests.ranks"].POOL
+    def refuse_ranks(*args, **kwargs):
+        raise RuntimeError(f"{test} runs on the rank pool: mark it @pytest.mark.multirank (docs/testing.md)")
 
-        def refuse_ranks(*args, **kwargs):
-            raise RuntimeError(f"{request.node.nodeid} runs on the rank pool: mark it @pytest.mark.multirank")
-
-        monkeypatch.setattr(pool, "run", refuse_ranks)
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_process)
+    if "tests.ranks" in sys.modules:
+        monkeypatch.setattr(sys.modules["tests.ranks"].POOL, "run", refuse_ranks)
     yield
 
 
