@@ -52,23 +52,22 @@ def _sleeping_stage_times(rank, world_size, schedule: str, m: int, forward_s: fl
 
     layout = init_parallel(read_launch(), world_size)
     try:
-        # Static inputs and outputs (one microbatch: a row of 4), as the runtime requires (models/stage_io.py).
-        example = torch.empty(1, 4, device="meta")
-        stage = PipelineStage(SleepingStage(), rank, world_size, layout.device,
-                              example.clone().requires_grad_(rank > 0), example, group=layout.pp_group)
+        # Static inputs and outputs (one microbatch: a row of 4), as the runtime requires (models/stage_io.py);
+        # a rank holds the stages the schedule places on it (two under ZBV's V).
         spec = get_schedule_spec(schedule)
-        runtime = build_schedule(spec, [stage], m, lambda out, target: out.sum(),
+        n_stages, indices = spec.n_stages(world_size), spec.stage_indices(world_size, rank)
+        example = torch.empty(1, 4, device="meta")
+        stages = [PipelineStage(SleepingStage(), s, n_stages, layout.device, example.clone().requires_grad_(s > 0),
+                                example.clone().requires_grad_(True), group=layout.pp_group)  # outputs carry a gradient
+                  for s in indices]
+        runtime = build_schedule(spec, stages, m, lambda out, target: out.sum(),
                                  link_groups(layout, spec.rank_pairs(world_size)))
         times = []
         for _ in range(steps + 1):
             dist.barrier(group=layout.pp_group)
             start = time.perf_counter()
-            if rank == 0:
-                runtime.step(torch.ones(m, 4))
-            elif rank == world_size - 1:
-                runtime.step(target=torch.ones(m, 4))
-            else:
-                runtime.step()
+            runtime.step(*([torch.ones(m, 4)] if 0 in indices else []),
+                         target=torch.ones(m, 4) if n_stages - 1 in indices else None)
             times.append(time.perf_counter() - start)
         return times[1:]
     finally:
