@@ -9,8 +9,8 @@ tiers are marked by what a test does, and run with `--all-tiers` (or by name, `-
 - `package`: the wheel, built and installed in a fresh virtual environment;
 - `repo`: the repository itself: README and docs against the code, committed results against their arms.
 
-A fast-tier test cannot start a rank pool or a process unmarked: it fails saying which marker it needs,
-so the fast tier stays fast. Each tier has its own timeout per test.
+A fast-tier test sees no rank pool (the session fixture `rank_pool`) and cannot start a process: it
+fails saying which marker it needs, so the fast tier stays fast. Each tier has its own timeout per test.
 """
 
 import multiprocessing.process
@@ -47,6 +47,8 @@ def pytest_collection_modifyitems(config, items):
         if not item.get_closest_marker("timeout"):  # the longest of its tiers'
             tiers = [t for t in TIERS if item.get_closest_marker(t)] or ["fast"]
             item.add_marker(pytest.mark.timeout(max(TIMEOUTS[t] for t in tiers)))
+        if tier_of(item) != "fast" and "rank_pool" not in item.fixturenames:
+            item.fixturenames.insert(0, "rank_pool")  # first: before any module fixture that trains on it
     if config.getoption("--all-tiers") or config.getoption("markexpr"):
         return
     kept = [item for item in items if tier_of(item) == "fast"]
@@ -73,13 +75,30 @@ def _launches_python(args) -> bool:
         ("python", "torchrun", "accelerate", "hf-asyncpp", "srun", "sbatch"))
 
 
+@pytest.fixture(scope="session")
+def rank_pool():
+    """The session's rank processes (tests/ranks.py), given to every marked test before its other
+    fixtures (a module fixture may train on them): started by the first run on them, up from test to
+    test, closed when the session ends."""
+    from hf_asyncpp.parallel.spawn import RankPool
+    from tests import ranks
+
+    ranks.pool = RankPool()
+    yield ranks.pool
+    ranks.pool.close()
+    ranks.pool = None
+
+
 @pytest.fixture(autouse=True)
 def _tier_guard(request, monkeypatch):
-    """A fast-tier test cannot start a Python process or use the rank pool: it fails naming the marker it
+    """A fast-tier test sees no rank pool and cannot start a Python process: it fails naming the marker it
     needs. (A multi-rank test may also launch: torchrun, where the launcher itself is tested.)"""
     if any(request.node.get_closest_marker(t) for t in TIERS):
         yield
         return
+    from tests import ranks
+
+    monkeypatch.setattr(ranks, "pool", None)
     popen, test = subprocess.Popen.__init__, request.node.nodeid
 
     def refuse_python(self, args, *rest, **kwargs):
@@ -90,18 +109,6 @@ def _tier_guard(request, monkeypatch):
     def refuse_process(self, *args, **kwargs):
         raise RuntimeError(f"{test} starts a process ({self.name}): mark it @pytest.mark.launch (docs/testing.md)")
 
-    def refuse_ranks(*args, **kwargs):
-        raise RuntimeError(f"{test} runs on the rank pool: mark it @pytest.mark.multirank (docs/testing.md)")
-
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_process)
-    if "tests.ranks" in sys.modules:
-        monkeypatch.setattr(sys.modules["tests.ranks"].POOL, "run", refuse_ranks)
     yield
-
-
-def pytest_sessionfinish(session):
-    """The rank pool lives for the session (tests/ranks.py) and ends with it."""
-    ranks = sys.modules.get("tests.ranks")
-    if ranks is not None:
-        ranks.POOL.close()

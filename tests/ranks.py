@@ -1,20 +1,22 @@
-"""The suite's rank processes: one `RankPool` for the whole session, so each multi-rank test starts
-its process groups in ranks that have already imported torch, transformers and the project; and
-`train_py`, train.py's main on ranks of that pool, for the reference runs tests compare with."""
+"""The suite's rank processes: one `RankPool` for the whole session (conftest's session fixture
+`rank_pool` opens it for the tests of the multi-rank tier and closes it when the session ends), so each
+multi-rank test starts its process groups in ranks that have already imported torch, transformers and
+the project; and `train_py`, train.py's main on ranks of that pool, for the reference runs tests
+compare with."""
 
 from __future__ import annotations
 
-import atexit
-
 from hf_asyncpp.parallel.spawn import RankPool
 
-POOL = RankPool()
-atexit.register(POOL.close)
+# The pool the running test may use: the session's, set by conftest for a multi-rank test only.
+pool: RankPool | None = None
 
 
 def run_ranks(world_size: int, target, *args, timeout_s: float = 600.0) -> list:
     """target(rank, world_size, *args) on ranks of the session's pool; results ordered by rank."""
-    return POOL.run(world_size, target, *args, timeout_s=timeout_s)
+    if pool is None:
+        raise RuntimeError("this test runs on the rank pool: mark it @pytest.mark.multirank (docs/testing.md)")
+    return pool.run(world_size, target, *args, timeout_s=timeout_s)
 
 
 def _train_py_main(rank, world_size, argv, log_dir):

@@ -17,7 +17,7 @@ import pytest
 from tests.host_reads import READS, host_reads_recorded
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
-from tests.executors.test_asynchronous import MBS, SEQ, M, _rows
+from tests.engine_runs import MBS, SEQ, M, token_rows
 
 STEPS = 5  # steps 2..4 are steady: the first infers shapes, the fifth drains
 STEADY = range(1, STEPS - 1)
@@ -50,7 +50,7 @@ def _reads_per_step(rank, world_size, schedule, optimizer, scope, ef):
                              grad_clip_scope="global" if scope == "none" else scope, seq_len=SEQ,
                              micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=STEPS)
         engine = PipelineEngine(config, model_config, layout)
-        rows = _rows(model_config.vocab_size, 1)
+        rows = token_rows(model_config.vocab_size, 1)
         per_step, updates = [], []
         for k in range(STEPS):
             next_rows = rows[k + 1] if engine.forwards_ahead and k + 1 < STEPS else None

@@ -98,6 +98,7 @@ def test_a_sharded_pipeline_checkpoint_exports_the_runs_own_weights_bitwise(tmp_
     assert torch.equal(_logits(exported), _logits(tmp_path / "final"))
 
 
+@pytest.mark.multirank  # its run is a rank's of the pool (deepseek_run)
 def test_a_bf16_export_is_the_fp32_export_as_transformers_loads_it_in_bf16(deepseek_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -133,6 +134,7 @@ def test_an_asynchronous_checkpoint_exports_the_stages_master_weights_of_its_ste
     assert loaded.keys() == masters.keys() and all(torch.equal(loaded[k], masters[k]) for k in masters)
 
 
+@pytest.mark.multirank  # its run is a rank's of the pool (deepseek_run)
 def test_the_weights_are_read_a_group_of_layers_at_a_time(deepseek_run, tmp_path, monkeypatch):
     """With max_shard_size below the model, every read holds whole layers and no more than the limit
     (or one layer, when a layer alone is larger)."""

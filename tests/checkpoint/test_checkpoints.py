@@ -164,6 +164,7 @@ def _copy(checkpoint, tmp_path):
     return shutil.copytree(checkpoint, tmp_path / checkpoint.name)
 
 
+@pytest.mark.multirank  # its checkpoint is a two-rank run's (saved_checkpoint)
 def test_a_truncated_checkpoint_file_is_named_before_anything_starts(saved_checkpoint, tmp_path):
     copy = _copy(saved_checkpoint, tmp_path)
     shard = sorted(copy.glob("*.distcp"))[0]
@@ -174,6 +175,7 @@ def test_a_truncated_checkpoint_file_is_named_before_anything_starts(saved_check
     assert shard.read_bytes() == data[: len(data) // 2]  # nothing was overwritten or repaired
 
 
+@pytest.mark.multirank  # its checkpoint is a two-rank run's (saved_checkpoint)
 def test_a_missing_file_is_named_before_anything_starts(saved_checkpoint, tmp_path):
     copy = _copy(saved_checkpoint, tmp_path)
     (copy / ".metadata").unlink()
@@ -222,6 +224,7 @@ def test_an_altered_file_is_named_by_every_rank_at_load_and_each_file_is_read_on
     assert [message for message, _ in intact] == [None, None]
 
 
+@pytest.mark.multirank  # its checkpoint is a two-rank run's (saved_checkpoint)
 def test_an_interrupted_save_is_never_taken_for_a_checkpoint(saved_checkpoint, tmp_path):
     from hf_asyncpp.checkpoint.checkpoints import list_checkpoints
 

@@ -15,19 +15,12 @@ import pytest
 
 from tests.ranks import run_ranks
 from tests import p2p_tags
+from tests.engine_runs import M, MBS, SEQ, STEPS, token_rows, train_and_evaluate
 from tests.test_engine import small_model_config
 
 TOL = 1e-5
-SEQ, MBS, M, STEPS = 16, 2, 4, 6
 OPTIMIZERS = {"sgd": dict(learning_rate=0.5, momentum=0.9), "adamw": dict(learning_rate=3e-3, momentum=0.9),
               "muon": dict(learning_rate=2e-2, momentum=0.95)}
-
-
-def _rows(vocab_size, dp_size):
-    import torch
-
-    gen = torch.Generator().manual_seed(21)
-    return [torch.randint(0, vocab_size, (dp_size * MBS * M, SEQ), generator=gen) for _ in range(STEPS)]
 
 
 def stage_delays(model, model_config, pp_size, schedule):
@@ -111,7 +104,7 @@ def _worker(rank, world_size, pp_size, presets, optimizers, schedule="pipedream-
                                      **OPTIMIZERS[optimizer])
                 full = build_full_model(config, model_config)
                 reference = copy.deepcopy(full)
-                rows = _rows(model_config.vocab_size, layout.dp_size)
+                rows = token_rows(model_config.vocab_size, layout.dp_size)
                 mine = [r.chunk(layout.dp_size)[layout.dp_rank] for r in rows]
                 engine = PipelineEngine(config, model_config, layout, model=full)
                 with p2p_tags.recording() as messages:
@@ -226,7 +219,7 @@ def _final_state(rank, world_size, pp_size, schedule, emulate_depth, scope):
                              warmup_steps=2, seq_len=SEQ, micro_batch_size=MBS, n_microbatches=M, seed=4,
                              max_steps=STEPS, emulate_pp_size=emulate_depth)
         engine = PipelineEngine(config, model_config, layout)
-        rows = _rows(model_config.vocab_size, 1)
+        rows = token_rows(model_config.vocab_size, 1)
         losses = [engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None) for k in range(STEPS)]
         losses = [r.loss for r in losses]
         engine.finish()
@@ -274,7 +267,6 @@ def _evaluating(rank, world_size, pp_size, schedule, emulate_depth, evaluate_aft
     (train losses, eval losses, final weights) on the rank holding the gathered state. The rows are
     those of `data_dp` replicas; a rank with fewer dp replicas takes larger microbatches of them. The
     aux loss is off: it is not linear in the microbatch size, so different splits would train apart."""
-    import torch
 
     from hf_asyncpp.checkpoint import gather_full_state_dict
     from hf_asyncpp.config import TrainConfig
@@ -286,21 +278,13 @@ def _evaluating(rank, world_size, pp_size, schedule, emulate_depth, evaluate_aft
     try:
         model_config = small_model_config("tiny-qwen3-moe")
         model_config.router_aux_loss_coef = 0.0
-        dp, d = layout.dp_size, layout.dp_rank
+        dp = layout.dp_size
         config = TrainConfig(model_config="tiny-qwen3-moe", pp_size=pp_size, schedule=schedule, optimizer="adamw",
                              learning_rate=3e-3, seq_len=SEQ, micro_batch_size=MBS * data_dp // dp, n_microbatches=M,
                              seed=4, max_steps=STEPS, emulate_pp_size=emulate_depth, grad_clip_scope=_scope(schedule))
         engine = PipelineEngine(config, model_config, layout)
-        rows = [r.chunk(dp)[d] for r in _rows(model_config.vocab_size, data_dp)]
-        held_out = torch.randint(0, model_config.vocab_size, (data_dp * MBS * M, SEQ),
-                                 generator=torch.Generator().manual_seed(5)).chunk(dp)[d]
-        losses, evals = [], []
         with p2p_tags.recording() as messages:
-            for k in range(STEPS):
-                losses.append(engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None).loss)
-                if k + 1 in evaluate_after:
-                    evals.append(engine.eval_step(held_out)[0])
-            engine.finish()
+            losses, evals = train_and_evaluate(engine, layout, model_config.vocab_size, data_dp, evaluate_after)
         state = gather_full_state_dict(engine.stage_state_dict(), layout)
         return None if state is None else (losses, evals, {k: v.tolist() for k, v in state.items()}, messages)
     finally:

@@ -27,12 +27,13 @@ from torch.distributed.pipelining.schedules import FORWARD
 
 from hf_asyncpp.schedules import ScheduleError, get_schedule_spec
 from hf_asyncpp.schedules.async_order import replay_after
+from tests.engine_runs import M, MBS, SEQ, STEPS, token_rows, train_and_evaluate
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
 
 TOL = 1e-5
 PRESET = "tiny-deepseek-v3"
-SEQ, MBS, M, STEPS, AT = 16, 2, 4, 6, 3
+AT = 3
 RATE = 0.01  # large against the spread of sigmoid(router logits) at init (~1e-2): biases steer routing
 ASYNC = ["pipedream-2bw", "pipedream", "wpipe"]
 # AdamW's step lr·m/(√v + ε) magnifies the rounding of gradient entries near ε (an expert that few
@@ -112,13 +113,6 @@ def test_each_weight_version_routes_with_its_own_bias():
 # --- gloo ranks -------------------------------------------------------------------------------
 
 
-def _rows(vocab_size, dp_size):
-    import torch
-
-    gen = torch.Generator().manual_seed(21)
-    return [torch.randint(0, vocab_size, (dp_size * MBS * M, SEQ), generator=gen) for _ in range(STEPS)]
-
-
 def _config(pp_size, schedule, micro_batch_size, emulate_depth=0, output_dir="output", optimizer="adamw"):
     from hf_asyncpp.config import TrainConfig
 
@@ -178,7 +172,6 @@ def _train(rank, world_size, pp_size, schedule, emulate_depth, data_dp, with_rec
     after the steps in `evaluate_after` (forwards that must not count as routing loads); returns the
     losses, evaluation losses and final state (as lists) on the rank holding the gathered state, and
     the direct recursion's results."""
-    import torch
 
     from hf_asyncpp.checkpoint import gather_full_state_dict
     from hf_asyncpp.engine import PipelineEngine
@@ -191,20 +184,13 @@ def _train(rank, world_size, pp_size, schedule, emulate_depth, data_dp, with_rec
         dp, d = layout.dp_size, layout.dp_rank
         config = _config(pp_size, schedule, MBS * data_dp // dp, emulate_depth, optimizer=optimizer)
         engine = PipelineEngine(config, model_config, layout)
-        rows = [r.chunk(dp)[d] for r in _rows(model_config.vocab_size, data_dp)]
-        held_out = torch.randint(0, model_config.vocab_size, (data_dp * MBS * M, SEQ),
-                                 generator=torch.Generator().manual_seed(5)).chunk(dp)[d]
-        losses, evals = [], []
-        for k in range(STEPS):
-            losses.append(engine.train_step(rows[k], rows[k + 1] if k + 1 < STEPS else None).loss)
-            if k + 1 in evaluate_after:
-                evals.append(engine.eval_step(held_out)[0])
-        engine.finish()
+        losses, evals = train_and_evaluate(engine, layout, model_config.vocab_size, data_dp, evaluate_after)
         state = gather_full_state_dict(engine.stage_state_dict(), layout)
         if state is None:
             return None
         result = dict(losses=losses, evals=evals, state={k: v.tolist() for k, v in state.items()})
         if with_recursion:
+            rows = [r.chunk(dp)[d] for r in token_rows(model_config.vocab_size, data_dp)]
             for key, versioned_bias in (("recursion", True), ("unversioned", False)):
                 rec_losses, rec_state = _recursion(config, model_config, rows, versioned_bias)
                 result[key] = dict(losses=rec_losses, state={k: v.tolist() for k, v in rec_state.items()})

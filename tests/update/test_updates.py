@@ -22,7 +22,7 @@ import torch
 from tests.host_reads import host_reads_recorded
 from tests.ranks import run_ranks
 from tests.test_engine import small_model_config
-from tests.executors.test_asynchronous import MBS, SEQ, M, _rows
+from tests.engine_runs import MBS, SEQ, M, token_rows
 from tests.executors.test_asynchronous_references import CLIPPED_SGD, _check, _pipeline, replay
 
 
@@ -49,7 +49,7 @@ def _reads_while_posting(rank, world_size, scope, steps):
                              learning_rate=3e-3, max_grad_norm=0.05, grad_clip_scope=scope, seq_len=SEQ,
                              micro_batch_size=MBS, n_microbatches=M, seed=4, max_steps=steps)
         engine = PipelineEngine(config, model_config, layout)
-        rows = _rows(model_config.vocab_size, 1)
+        rows = token_rows(model_config.vocab_size, 1)
         results = [engine.train_step(rows[k], rows[k + 1] if k + 1 < steps else None) for k in range(steps)]
         engine.finish()
         return posted, [r.grad_norm for r in results]
