@@ -1,112 +1,233 @@
-"""The timing model of schedule_model.py checked on real ranks: stages that sleep instead of computing.
+"""Every schedule's step on real ranks whose stages sleep instead of computing, beside the timing model's.
 
-This 2-core machine cannot time 4 or 8 ranks that compute, but ranks that sleep need no core, so
-their step time is the schedule's and its communication plan's alone. Each of `--pp` gloo ranks
-holds one stage whose forward sleeps `--forward-ms` and whose backward sleeps twice that, and runs
-the schedule's real runtime (runtime.ActionListSchedule over torch's PipelineStage, the programs of
-comm_plan.py, messages of a few bytes). Reported per schedule: the measured step (median of
-`--steps` after one warm-up step) beside the model's, both in milliseconds.
+This 2-core machine cannot time 4 or 8 ranks that compute, but ranks that sleep need (almost) no core.
+Each of `--pp` gloo ranks runs the real engine (engine.PipelineEngine: the executor of its kind, the
+schedule's runtime and communication plan, weight versions, Error Feedback, the optimizer step, clipping
+by the global norm) on a tiny real model, one decoder layer per stage, whose stages sleep on top of
+their own small compute:
 
-    python benchmarks/schedule_sleep.py [--pp 4] [--microbatches 8] [--schedules 1f1b,gpipe] [--forward-ms 20]
+- forward: `--forward-ms` per microbatch;
+- backward: `--backward-ms` for the input gradient and `--weight-ms` for the weight gradient (a full
+  backward sleeps both; ZBV's split runs them as its I and W actions);
+- the last stage's three `--last-stage-factor` times as long (its LM head);
+- each optimizer step `--optimizer-ms` (a hook on the optimizer: once per stage update).
+
+The step is measured in steady state: from the end of the warm-up steps to the end of the last, on the
+latest rank, divided by the steps. Beside it: the bubble-free limit (the busiest rank's sleep per step)
+and the timing model's step for the same costs (schedules/play.py, what the checker and the slowdown
+warnings use); the asynchronous schedules run with Error Feedback, and clip by the global norm where they
+can (not WPipe). Timings are reported, never asserted.
+
+    python benchmarks/schedule_sleep.py [--pp 4,8] [--microbatches 1,2,4] [--schedules all] [--forward-ms 20]
+        [--backward-ms 40] [--weight-ms 0] [--last-stage-factor 1,2] [--optimizer-ms 0] [--steps 4]
+
+`--microbatches` are multiples of the depth (m = k·p); sizes a schedule refuses are listed as refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "schedule_sleep.json"
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "pipedream-2bw", "wpipe", "pipedream")
+SEQ_LEN, WARMUP_STEPS = 8, 2
 
 
-def _sleeping_stage_times(rank, world_size, schedule: str, m: int, forward_s: float, steps: int) -> list[float]:
+@dataclass(frozen=True)
+class Sleeps:
+    """Seconds each stage sleeps per microbatch (forward, input gradient, weight gradient), the last
+    stage's factor on them, and per optimizer step."""
+
+    forward_s: float
+    backward_s: float
+    weight_s: float
+    last_stage_factor: float
+    optimizer_s: float
+
+    def of_stage(self, stage: int, n_stages: int) -> tuple[float, float, float]:
+        factor = self.last_stage_factor if stage == n_stages - 1 else 1.0
+        return self.forward_s * factor, self.backward_s * factor, self.weight_s * factor
+
+    def action_cost(self, n_stages: int):
+        """cost(rank, action) for the timing model: these sleeps per compute action, nothing else."""
+        from hf_asyncpp.torch_internals import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+
+        def cost(rank, action) -> float:
+            forward, backward, weight = self.of_stage(action.stage_index, n_stages)
+            return {FORWARD: forward, FULL_BACKWARD: backward + weight, BACKWARD_INPUT: backward,
+                    BACKWARD_WEIGHT: weight}.get(action.computation_type, 0.0)
+        return cost
+
+
+def _sleep_on(module, forward_s: float, backward_s: float, weight_s: float) -> None:
+    """Make `module` (a pipeline stage) sleep: its output passes through a function that sleeps
+    forward_s and, in the backward, backward_s; the gradient of the weight its forward used (the one
+    bound to that microbatch, under weight versions) sleeps weight_s as it is computed, which ZBV does in
+    its weight-gradient action."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
 
-    from hf_asyncpp.parallel.launch import read_launch
-    from hf_asyncpp.parallel.mesh import init_parallel, link_groups, shutdown_parallel
-    from hf_asyncpp.schedules import get_schedule_spec
-    from hf_asyncpp.schedules.runtime import build_schedule
-
-    class Sleep(torch.autograd.Function):
+    class SleepOnOutput(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
             time.sleep(forward_s)
-            return x.clone()
+            return x.clone()  # a view of its input here makes torch's split backward lose a gradient
 
         @staticmethod
         def backward(ctx, grad):
-            time.sleep(2 * forward_s)
+            time.sleep(backward_s)
             return grad
 
-    class SleepingStage(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.ones(4))
+    def sleep_on_weight_gradient(grad):
+        time.sleep(weight_s)
+        return grad
 
-        def forward(self, x):
-            return Sleep.apply(x * self.weight)
+    def hook(bound_module, _inputs, output):
+        weight = next(bound_module.parameters())  # the microbatch's own (a version's copy)
+        if weight.requires_grad and not getattr(weight, "_sleeps", False):
+            weight.register_hook(sleep_on_weight_gradient)
+            weight._sleeps = True
+        first = output[0] if isinstance(output, tuple) else output
+        slept = SleepOnOutput.apply(first)
+        return (slept, *output[1:]) if isinstance(output, tuple) else slept
 
+    module.register_forward_hook(hook)
+
+
+def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps: int) -> list[float]:
+    """The end time (time.perf_counter, one clock for every process) of each step on this rank."""
+    import torch
+
+    from hf_asyncpp.config import TrainConfig
+    from hf_asyncpp.engine import PipelineEngine
+    from hf_asyncpp.models.presets import build_config
+    from hf_asyncpp.parallel.launch import read_launch
+    from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
+    from hf_asyncpp.schedules import get_schedule_spec
+
+    torch.set_num_threads(1)
+    spec = get_schedule_spec(schedule)
+    n_stages, total = spec.n_stages(world_size), WARMUP_STEPS + steps
     layout = init_parallel(read_launch(), world_size)
     try:
-        # Static inputs and outputs (one microbatch: a row of 4), as the runtime requires (models/stage_io.py);
-        # a rank holds the stages the schedule places on it (two under ZBV's V).
-        spec = get_schedule_spec(schedule)
-        n_stages, indices = spec.n_stages(world_size), spec.stage_indices(world_size, rank)
-        example = torch.empty(1, 4, device="meta")
-        stages = [PipelineStage(SleepingStage(), s, n_stages, layout.device, example.clone().requires_grad_(s > 0),
-                                example.clone().requires_grad_(True), group=layout.pp_group)  # outputs carry a gradient
-                  for s in indices]
-        runtime = build_schedule(spec, stages, m, lambda out, target: out.sum(),
-                                 link_groups(layout, spec.rank_pairs(world_size)))
-        times = []
-        for _ in range(steps + 1):
-            dist.barrier(group=layout.pp_group)
-            start = time.perf_counter()
-            runtime.step(*([torch.ones(m, 4)] if 0 in indices else []),
-                         target=torch.ones(m, 4) if n_stages - 1 in indices else None)
-            times.append(time.perf_counter() - start)
-        return times[1:]
+        model_config = build_config("tiny-llama", hidden_size=16, intermediate_size=32, num_hidden_layers=n_stages,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64)
+        config = TrainConfig(model_config="tiny-llama", pp_size=world_size, schedule=schedule, optimizer="adamw",
+                             learning_rate=1e-3, seq_len=SEQ_LEN, micro_batch_size=1, n_microbatches=m,
+                             max_steps=total, ef=not spec.synchronous,
+                             grad_clip_scope="stage" if schedule == "wpipe" else "global")
+        engine = PipelineEngine(config, model_config, layout)
+        executor = engine.executor
+        for module, stage in zip(executor.modules, executor.stage_ids):
+            _sleep_on(module, *sleeps.of_stage(stage, n_stages))
+        for updater in executor.updaters:
+            updater.optimizer.register_step_pre_hook(lambda *_: time.sleep(sleeps.optimizer_s))
+        rows = torch.randint(0, model_config.vocab_size, (m, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+        ends = []
+        for k in range(total):
+            engine.train_step(rows, rows if engine.forwards_ahead and k + 1 < total else None)
+            ends.append(time.perf_counter())
+        engine.finish()
+        return ends
     finally:
         shutdown_parallel()
 
 
-def _model_step_s(schedule: str, pp_size: int, m: int, forward_s: float) -> float:
-    from hf_asyncpp.torch_internals import FORWARD, FULL_BACKWARD
+def measure(pool, schedule: str, pp_size: int, m: int, sleeps: Sleeps, steps: int) -> dict:
+    """One row: the measured steady step beside the bubble-free limit and the timing model's step (ms)."""
+    from hf_asyncpp.schedules import ScheduleError, get_schedule_spec
 
+    spec = get_schedule_spec(schedule)
+    row = dict(schedule=schedule, pp_size=pp_size, n_microbatches=m, **asdict(sleeps))
+    clip = schedule != "wpipe"
+    try:
+        spec.check_microbatches(pp_size, m, clip_globally=clip and not spec.synchronous)
+        model_step, limit = spec.steady_step(pp_size, m, sleeps.action_cost(spec.n_stages(pp_size)),
+                                             clip_globally=clip and not spec.synchronous)
+    except (ValueError, ScheduleError) as err:
+        return dict(row, refused=str(err).splitlines()[0])
+    ends = pool.run(pp_size, _sleeping_run, schedule, m, sleeps, steps, timeout_s=90)
+    last = [max(rank[k] for rank in ends) for k in range(len(ends[0]))]
+    step = (last[-1] - last[WARMUP_STEPS - 1]) / steps
+    return dict(row, measured_ms=round(1000 * step, 1), limit_ms=round(1000 * limit, 1),
+                model_ms=round(1000 * model_step, 1), measured_over_limit=round(step / limit, 3),
+                measured_over_model=round(step / model_step, 3))
+
+
+def with_speedups(rows: list[dict]) -> list[dict]:
+    """Each asynchronous schedule's tokens/s ÷ the best synchronous schedule's on the same row (its
+    step time's inverse ratio), and which synchronous schedule that is."""
     from hf_asyncpp.schedules import get_schedule_spec
 
-    costs = {FORWARD: forward_s, FULL_BACKWARD: 2 * forward_s}
-    return get_schedule_spec(schedule).timeline(pp_size, m, 1, lambda r, a: costs.get(a.computation_type, 0.0)).makespan
+    def key(r):
+        return tuple(r[k] for k in ("pp_size", "n_microbatches", "forward_s", "backward_s", "weight_s",
+                                    "last_stage_factor", "optimizer_s"))
+
+    best = {}
+    for r in rows:
+        if "measured_ms" in r and get_schedule_spec(r["schedule"]).synchronous:
+            if key(r) not in best or r["measured_ms"] < best[key(r)]["measured_ms"]:
+                best[key(r)] = r
+    for r in rows:
+        rival = best.get(key(r))
+        if "measured_ms" in r and rival is not None and not get_schedule_spec(r["schedule"]).synchronous:
+            r["best_synchronous"] = rival["schedule"]
+            r["tokens_per_s_over_best_synchronous"] = round(rival["measured_ms"] / r["measured_ms"], 3)
+    return rows
 
 
-def main() -> None:
-    from hf_asyncpp.parallel.spawn import run_ranks
+def table(rows: list[dict]) -> str:
+    lines = ["| schedule | p | m | last stage × | optimizer ms | measured ms | limit ms | model ms | "
+             "measured / limit | measured / model | tokens/s ÷ best sync |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        head = (f"| {r['schedule']} | {r['pp_size']} | {r['n_microbatches']} | {r['last_stage_factor']:g} | "
+                f"{1000 * r['optimizer_s']:g} | ")
+        if "refused" in r:
+            lines.append(head + f"refused: {r['refused'][:70]} | | | | | |")
+            continue
+        speedup = r.get("tokens_per_s_over_best_synchronous")
+        lines.append(head + f"{r['measured_ms']} | {r['limit_ms']} | {r['model_ms']} | {r['measured_over_limit']:.3f} | "
+                     f"{r['measured_over_model']:.3f} | "
+                     + (f"{speedup:.3f} ({r['best_synchronous']})" if speedup else "") + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    from hf_asyncpp.parallel.spawn import RankPool
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedules", default="1f1b,gpipe")
+    parser.add_argument("--pp", default="4,8", help="pipeline depths, comma-separated")
+    parser.add_argument("--microbatches", default="1,2,4", help="microbatches per step as multiples of the depth")
+    parser.add_argument("--schedules", default="all")
     parser.add_argument("--forward-ms", type=float, default=20.0)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--backward-ms", type=float, default=40.0, help="the input gradient's part of a backward")
+    parser.add_argument("--weight-ms", type=float, default=0.0, help="the weight gradient's part of a backward")
+    parser.add_argument("--last-stage-factor", default="1,2", help="the last stage's sleeps × this, comma-separated")
+    parser.add_argument("--optimizer-ms", type=float, default=0.0, help="per optimizer step")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps, after 2 warm-up steps")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
-    args = parser.parse_args()
-    forward_s, rows = args.forward_ms / 1000, []
-    for schedule in args.schedules.split(","):
-        per_rank = run_ranks(args.pp, _sleeping_stage_times, schedule, args.microbatches, forward_s, args.steps)
-        measured = statistics.median(max(step) for step in zip(*per_rank))  # a step ends with its last rank
-        rows.append(dict(schedule=schedule, pp_size=args.pp, n_microbatches=args.microbatches,
-                         forward_ms=args.forward_ms, measured_ms=round(1000 * measured, 1),
-                         model_ms=round(1000 * _model_step_s(schedule, args.pp, args.microbatches, forward_s), 1)))
+    args = parser.parse_args(argv)
+    schedules = SCHEDULES if args.schedules == "all" else tuple(args.schedules.split(","))
+    rows, pool = [], RankPool()
+    try:
+        for p in map(int, args.pp.split(",")):
+            for k in map(int, args.microbatches.split(",")):
+                for factor in map(float, args.last_stage_factor.split(",")):
+                    sleeps = Sleeps(args.forward_ms / 1000, args.backward_ms / 1000, args.weight_ms / 1000, factor,
+                                    args.optimizer_ms / 1000)
+                    for schedule in schedules:
+                        rows.append(measure(pool, schedule, p, k * p, sleeps, args.steps))
+                        print(json.dumps(rows[-1]), flush=True)
+    finally:
+        pool.close()
+    with_speedups(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print("| schedule | p | m | measured step ms | model ms | measured / model |\n|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['schedule']} | {r['pp_size']} | {r['n_microbatches']} | {r['measured_ms']} | {r['model_ms']} | "
-              f"{r['measured_ms'] / r['model_ms']:.3f} |")
+    Path(args.out).write_text(json.dumps({"warmup_steps": WARMUP_STEPS, "steps": args.steps, "rows": rows}, indent=1))
+    print(table(rows))
     print(f"wrote {args.out}")
 
 

@@ -112,3 +112,33 @@ def _tier_guard(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse_process)
     yield
+
+
+# Seconds per test (setup, call and teardown), for the summary of a run beyond the fast tier.
+_SECONDS: dict[str, float] = {}
+_TIER_OF: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_collection_finish(session):
+    _TIER_OF.update({item.nodeid: tier_of(item) for item in session.items})
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Where a run of several tiers spent its time: each tier's tests and seconds, and the slowest tests
+    (docs/testing.md keeps the suite's budget by them)."""
+    tiers = {}
+    for nodeid, seconds in _SECONDS.items():
+        count, total = tiers.get(_TIER_OF.get(nodeid, "fast"), (0, 0.0))
+        tiers[_TIER_OF.get(nodeid, "fast")] = (count + 1, total + seconds)
+    if len(tiers) < 2:
+        return
+    terminalreporter.write_sep("=", "time per tier")
+    for tier, (count, total) in sorted(tiers.items(), key=lambda kv: -kv[1][1]):
+        terminalreporter.write_line(f"{tier:>9}: {count:5d} tests {total:8.0f} s")
+    terminalreporter.write_sep("-", "the 25 slowest tests")
+    for nodeid, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:7.1f} s  {_TIER_OF.get(nodeid, 'fast'):>9}  {nodeid}")

@@ -26,8 +26,8 @@ TINY = {
     "scale_rehearsal.py": ["--layers", "4", "--seq-len", "16", "--micro-batch-size", "1", "--microbatches", "2",
                            "--steps", "1"],
     "schedule_model.py": ["--depths", "2"],
-    "schedule_sleep.py": ["--pp", "2", "--microbatches", "2", "--schedules", "1f1b,zbv", "--steps", "1",
-                          "--forward-ms", "1"],
+    "schedule_sleep.py": ["--pp", "2", "--microbatches", "1", "--schedules", "1f1b,pipedream-2bw", "--steps", "1",
+                          "--last-stage-factor", "1", "--forward-ms", "1", "--backward-ms", "1"],
 }
 
 
