@@ -10,6 +10,8 @@ their own small compute:
 - backward: `--backward-ms` for the input gradient and `--weight-ms` for the weight gradient (a full
   backward sleeps both; ZBV's split runs them as its I and W actions);
 - the last stage's three `--last-stage-factor` times as long (its LM head);
+- these are a rank's times: where a schedule puts two stages on a rank (interleaved 1F1B, ZBV, WPipe),
+  each sleeps half, as a rank's layers split in two chunks would compute;
 - each optimizer step `--optimizer-ms` (a hook on the optimizer: once per stage update).
 
 The step is measured in steady state: from the end of the warm-up steps to the end of the last, on the
@@ -34,7 +36,7 @@ from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "schedule_sleep.json"
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "pipedream-2bw", "wpipe", "pipedream")
-SEQ_LEN, WARMUP_STEPS = 8, 2
+SEQ_LEN, WARMUP_STEPS = 4, 2
 
 
 @dataclass(frozen=True)
@@ -48,16 +50,16 @@ class Sleeps:
     last_stage_factor: float
     optimizer_s: float
 
-    def of_stage(self, stage: int, n_stages: int) -> tuple[float, float, float]:
-        factor = self.last_stage_factor if stage == n_stages - 1 else 1.0
+    def of_stage(self, stage: int, n_stages: int, stages_per_rank: int) -> tuple[float, float, float]:
+        factor = (self.last_stage_factor if stage == n_stages - 1 else 1.0) / stages_per_rank
         return self.forward_s * factor, self.backward_s * factor, self.weight_s * factor
 
-    def action_cost(self, n_stages: int):
+    def action_cost(self, n_stages: int, stages_per_rank: int):
         """cost(rank, action) for the timing model: these sleeps per compute action, nothing else."""
         from hf_asyncpp.torch_internals import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 
         def cost(rank, action) -> float:
-            forward, backward, weight = self.of_stage(action.stage_index, n_stages)
+            forward, backward, weight = self.of_stage(action.stage_index, n_stages, stages_per_rank)
             return {FORWARD: forward, FULL_BACKWARD: backward + weight, BACKWARD_INPUT: backward,
                     BACKWARD_WEIGHT: weight}.get(action.computation_type, 0.0)
         return cost
@@ -113,8 +115,8 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
     n_stages, total = spec.n_stages(world_size), WARMUP_STEPS + steps
     layout = init_parallel(read_launch(), world_size)
     try:
-        model_config = build_config("tiny-llama", hidden_size=16, intermediate_size=32, num_hidden_layers=n_stages,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64)
+        model_config = build_config("tiny-llama", hidden_size=8, intermediate_size=8, num_hidden_layers=n_stages,
+                                    num_attention_heads=1, num_key_value_heads=1, head_dim=8, vocab_size=16)
         config = TrainConfig(model_config="tiny-llama", pp_size=world_size, schedule=schedule, optimizer="adamw",
                              learning_rate=1e-3, seq_len=SEQ_LEN, micro_batch_size=1, n_microbatches=m,
                              max_steps=total, ef=not spec.synchronous,
@@ -122,7 +124,7 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
         engine = PipelineEngine(config, model_config, layout)
         executor = engine.executor
         for module, stage in zip(executor.modules, executor.stage_ids):
-            _sleep_on(module, *sleeps.of_stage(stage, n_stages))
+            _sleep_on(module, *sleeps.of_stage(stage, n_stages, spec.stages_per_rank))
         for updater in executor.updaters:
             updater.optimizer.register_step_pre_hook(lambda *_: time.sleep(sleeps.optimizer_s))
         rows = torch.randint(0, model_config.vocab_size, (m, SEQ_LEN), generator=torch.Generator().manual_seed(0))
@@ -145,16 +147,17 @@ def measure(pool, schedule: str, pp_size: int, m: int, sleeps: Sleeps, steps: in
     clip = schedule != "wpipe"
     try:
         spec.check_microbatches(pp_size, m, clip_globally=clip and not spec.synchronous)
-        model_step, limit = spec.steady_step(pp_size, m, sleeps.action_cost(spec.n_stages(pp_size)),
+        model_step, limit = spec.steady_step(pp_size, m, sleeps.action_cost(spec.n_stages(pp_size), spec.stages_per_rank),
                                              clip_globally=clip and not spec.synchronous)
     except (ValueError, ScheduleError) as err:
         return dict(row, refused=str(err).splitlines()[0])
     ends = pool.run(pp_size, _sleeping_run, schedule, m, sleeps, steps, timeout_s=90)
     last = [max(rank[k] for rank in ends) for k in range(len(ends[0]))]
     step = (last[-1] - last[WARMUP_STEPS - 1]) / steps
-    return dict(row, measured_ms=round(1000 * step, 1), limit_ms=round(1000 * limit, 1),
-                model_ms=round(1000 * model_step, 1), measured_over_limit=round(step / limit, 3),
-                measured_over_model=round(step / model_step, 3))
+    row.update(measured_ms=round(1000 * step, 1), limit_ms=round(1000 * limit, 1), model_ms=round(1000 * model_step, 1))
+    if limit > 0:  # with no sleep at all, the step is the runtime's own cost alone
+        row.update(measured_over_limit=round(step / limit, 3), measured_over_model=round(step / model_step, 3))
+    return row
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:
@@ -190,8 +193,8 @@ def table(rows: list[dict]) -> str:
             lines.append(head + f"refused: {r['refused'][:70]} | | | | | |")
             continue
         speedup = r.get("tokens_per_s_over_best_synchronous")
-        lines.append(head + f"{r['measured_ms']} | {r['limit_ms']} | {r['model_ms']} | {r['measured_over_limit']:.3f} | "
-                     f"{r['measured_over_model']:.3f} | "
+        ratios = [f"{r[k]:.3f}" if k in r else "" for k in ("measured_over_limit", "measured_over_model")]
+        lines.append(head + f"{r['measured_ms']} | {r['limit_ms']} | {r['model_ms']} | {ratios[0]} | {ratios[1]} | "
                      + (f"{speedup:.3f} ({r['best_synchronous']})" if speedup else "") + " |")
     return "\n".join(lines)
 
