@@ -6,10 +6,11 @@ before an entry runs. The runtime applies the same rules where they come from on
 waits for is update/held.GlobalClipping, which both ask; which message matches which is comm_plan's
 matching_receive.
 
-The play is also a timing model (`cost`: seconds per compute or local action; messages and the norm
-all-reduce take none): each rank runs its program in order, an action starts when its rank is free and
-its inputs are there (a receive's batch complete, the global norm it waits for posted by every stage),
-and a batch completes when its rank and its peers have reached it.
+The play is also a timing model (`cost`: seconds per compute or local action, an update's optimizer
+step among them; `link_s`: seconds per message; the norm all-reduce takes none): each rank runs its
+program in order, an action starts when its rank is free and its inputs are there (a receive's batch
+complete, the global norm it waits for posted by every stage), and a batch completes `link_s` after its
+rank and its peers have reached it (its pair's stream busy until then, as an NCCL send's kernel is).
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ Group = tuple[str, frozenset]
 
 class _Play:
     def __init__(self, program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str,
-                 clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None):
+                 clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None, link_s: float = 0.0):
         self.program, self.stage_to_rank, self.n_stages = program, stage_to_rank, n_stages
+        self.link_s = link_s
         self.streams, self.clipping = streams, clipping
         self.seconds = cost or (lambda rank, action: 0.0)
         # Messages: per (sender, receiver), the posted sends and receives, in posting order.
@@ -290,7 +292,7 @@ class _Play:
                         other = theirs[k][1]
                         batch.done[i] = True
                         other.done[other.channel_index.index((channel, k, not is_send))] = True
-                        met_at = max(batch.start_at, other.start_at)
+                        met_at = max(batch.start_at, other.start_at) + self.link_s
                         batch.completed_at = max(batch.completed_at, met_at)
                         other.completed_at = max(other.completed_at, met_at)
                         moved = True
@@ -360,6 +362,7 @@ class _Play:
 
 
 def play(program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str,
-         clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None) -> Timeline:
+         clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None,
+         link_s: float = 0.0) -> Timeline:
     """Play `program` under the rules (ScheduleError on a broken one); its timeline."""
-    return _Play(program, stage_to_rank, n_stages, streams, clipping, cost).play()
+    return _Play(program, stage_to_rank, n_stages, streams, clipping, cost, link_s).play()

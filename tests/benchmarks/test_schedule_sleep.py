@@ -21,7 +21,7 @@ pytestmark = pytest.mark.launch  # the benchmark starts its own ranks
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("sleep") / "rows.json"
-    schedule_sleep.main(["--pp", "4", "--microbatches", "1", "--last-stage-factor", "1", "--forward-ms", "5",
+    schedule_sleep.main(["--pp", "4", "--microbatches", "1", "--last-stage-factor", "1", "--link-ms", "2", "--forward-ms", "5",
                          "--backward-ms", "6", "--weight-ms", "4", "--optimizer-ms", "2", "--steps", "2",
                          "--out", str(out)])
     return json.loads(out.read_text())["rows"]

@@ -654,3 +654,35 @@ def test_clipping_pipedream_by_the_global_norm_waits_for_the_first_stage_at_ever
     warns about this): the steady step grows by more than half."""
     spec = get_schedule_spec("pipedream")
     assert _steady_step(spec, 4, 8, clip_globally=True) > 1.5 * _steady_step(spec, 4, 8)
+
+
+UPDATE_COST = 0.5  # an optimizer step, in forwards
+
+
+def _cost_with_updates(rank, action):
+    return UPDATE_COST if action.computation_type == REDUCE_GRAD else _cost(rank, action)
+
+
+@pytest.mark.parametrize("clip_globally", [False, True])
+def test_a_synchronous_step_ends_with_each_stages_update_after_its_flush(clip_globally):
+    """1F1B's first rank ends the flush last: every step adds its optimizer step once, whether the ranks
+    also wait for each other in the global norm's all-reduce or not."""
+    pp_size, m = 4, 8
+    step, limit = get_schedule_spec("1f1b").steady_step(pp_size, m, _cost_with_updates, clip_globally)
+    assert step == (m + pp_size - 1) * (F_COST + B_COST) + UPDATE_COST
+    assert limit == m * (F_COST + B_COST) + UPDATE_COST
+
+
+def test_an_asynchronous_update_overlaps_the_pipeline():
+    """PipeDream-2BW's updates run between its microbatches: the step is the busiest rank's compute
+    and updates, with no flush to wait for."""
+    pp_size, m = 4, 8
+    step, limit = get_schedule_spec("pipedream-2bw").steady_step(pp_size, m, _cost_with_updates)
+    assert step == limit == m * (F_COST + B_COST) + UPDATE_COST
+
+
+def test_each_message_takes_the_link_time_on_its_way():
+    """p 2, one microbatch: the activation and its gradient each cross the link once."""
+    link = 0.25
+    timeline = get_schedule_spec("gpipe").timeline(2, 1, 1, _cost, link_s=link)
+    assert timeline.makespan == 2 * (F_COST + B_COST) + 2 * link
