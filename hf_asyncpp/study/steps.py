@@ -28,11 +28,12 @@ __all__ = ["TRAIN_WINDOW", "final_training_losses", "losses_at", "steps_markdown
 TRAIN_WINDOW = 250
 
 
-def _curves(study: Study, record: dict) -> tuple[list[dict], list[dict]]:
+def _curves(study: Study, records: list[dict]) -> list[tuple[list[dict], list[dict]]]:
+    """Each record's arm's (training, evaluation) curves, read once."""
     from ..plots import read_metrics
     from .runner import arm_dir
 
-    return read_metrics(arm_dir(study, Arm.from_record(record)))
+    return [read_metrics(arm_dir(study, Arm.from_record(record))) for record in records]
 
 
 def _training_loss(train: list[dict], step: int) -> float | None:
@@ -41,13 +42,13 @@ def _training_loss(train: list[dict], step: int) -> float | None:
     return statistics.fmean(window) if window else None
 
 
-def losses_at(study: Study, records: list[dict], step: int) -> tuple[Losses, Losses]:
-    """(held-out, training) losses of each finished arm at `step`, keyed as results.final_losses; an arm
-    that logged no evaluation at `step` (or no training loss in the window) is left out of that one."""
+def losses_at(records: list[dict], curves: list[tuple[list[dict], list[dict]]], step: int) -> tuple[Losses, Losses]:
+    """(held-out, training) losses of each finished arm at `step` from its `curves` (_curves), keyed as
+    results.final_losses; an arm that logged no evaluation at `step` (or no training loss in the window)
+    is left out of that one."""
     held_out: Losses = defaultdict(dict)
     training: Losses = defaultdict(dict)
-    for record in records:
-        train, evals = _curves(study, record)
+    for record, (train, evals) in zip(records, curves):
         key, seed = row_key(record), record["arm"]["seed"]
         at_step = [e["eval_loss"] for e in evals if e["step"] == step]
         if at_step:
@@ -60,8 +61,7 @@ def losses_at(study: Study, records: list[dict], step: int) -> tuple[Losses, Los
 def final_training_losses(study: Study, records: list[dict]) -> Losses:
     """Each finished arm's training loss at its last logged step, keyed as results.final_losses."""
     training: Losses = defaultdict(dict)
-    for record in records:
-        train, _ = _curves(study, record)
+    for record, (train, _) in zip(records, _curves(study, records)):
         if train and (loss := _training_loss(train, train[-1]["step"])) is not None:
             training[row_key(record)][record["arm"]["seed"]] = loss
     return dict(training)
@@ -70,9 +70,9 @@ def final_training_losses(study: Study, records: list[dict]) -> Losses:
 def steps_rows(study: Study, records: list[dict]) -> list[dict]:
     """A row per (optimizer, momentum, EF λ, delayed mode, report step): its held-out and training-loss
     gaps (mean, standard deviation, seeds) and EF's share of the held-out gap."""
-    rows = []
+    rows, curves = [], _curves(study, records)
     for step in study.report_steps:
-        held_out, training = losses_at(study, records, step)
+        held_out, training = losses_at(records, curves, step)
         for key in sorted(k for k in held_out if k[1] != "sync"):
             gaps, train_gaps = paired_gaps(held_out, key), paired_gaps(training, key)
             rows.append(dict(optimizer=key[0], mode=key[1], ef_lambda=key[2], momentum=key[3], step=step,
