@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "training_scripts" / "models" / "moe_2b"
+MODEL_DIR = ROOT / "training_scripts" / "models" / "moe_2b"  # --model: another config folder (the smoke test's tiny one)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "plan_accuracy.json"
 PP = 4
 MiB = 2**20
@@ -36,11 +36,11 @@ def _setup(args):
     from hf_asyncpp.config import TrainConfig
     from hf_asyncpp.planning.plan import STEPS
 
-    config = TrainConfig(model_config=str(MODEL_DIR / "config.json"), pp_size=PP, schedule="pipedream-2bw",
+    config = TrainConfig(model_config=str(args.model / "config.json"), pp_size=PP, schedule="pipedream-2bw",
                          optimizer="muon", momentum=0.95, ef=True, learning_rate=1e-3, max_grad_norm=1.0,
                          seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                          n_microbatches=args.microbatches, max_steps=STEPS + 1, mixed_precision="no", seed=42)
-    return config, AutoConfig.from_pretrained(MODEL_DIR, num_hidden_layers=args.layers)
+    return config, AutoConfig.from_pretrained(args.model, num_hidden_layers=args.layers)
 
 
 def _measured(rank, world_size, args):
@@ -72,6 +72,7 @@ def _measured(rank, world_size, args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=MODEL_DIR, help="the model config folder")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
@@ -86,11 +87,11 @@ def main() -> None:
     rows = [dict(plan, measured_peak_bytes=real, plan_over_measured=plan["peak_bytes"] / real)
             for plan, real in zip(planned, measured)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(setup=dict(model="moe_2b", layers=args.layers, pp=PP, seq_len=args.seq_len,
+    args.out.write_text(json.dumps(dict(setup=dict(model=args.model.name, layers=args.layers, pp=PP, seq_len=args.seq_len,
                                                    micro_batch_size=args.micro_batch_size,
                                                    n_microbatches=args.microbatches, schedule="pipedream-2bw",
                                                    optimizer="muon", ef=True, dtype="fp32"), rows=rows), indent=2) + "\n")
-    print(f"moe_2b shapes, {args.layers} layers, pp {PP}, {args.microbatches} × {args.micro_batch_size} × "
+    print(f"{args.model.name} shapes, {args.layers} layers, pp {PP}, {args.microbatches} × {args.micro_batch_size} × "
           f"{args.seq_len} tokens, 2BW + Muon + EF, fp32")
     print("| rank | stages | measured MiB | plan MiB | plan ÷ measured | " + " | ".join(KINDS) + " |")
     print("|---:|---:|---:|---:|---:|" + "---:|" * len(KINDS))

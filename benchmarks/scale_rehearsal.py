@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "training_scripts" / "models" / "moe_2b"
+MODEL_DIR = ROOT / "training_scripts" / "models" / "moe_2b"  # --model: another config folder (the smoke test's tiny one)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "scale_rehearsal.json"
 PP = 4
 MiB = 2**20
@@ -47,7 +47,7 @@ def _rss() -> tuple[float, float]:
 def _config(args, output_dir: str, resume: bool):
     from hf_asyncpp.config import TrainConfig
 
-    return TrainConfig(model_config=str(MODEL_DIR / "config.json"), pp_size=PP, schedule="pipedream-2bw",
+    return TrainConfig(model_config=str(args.model / "config.json"), pp_size=PP, schedule="pipedream-2bw",
                        optimizer="muon", momentum=0.95, ef=True, learning_rate=1e-3, max_grad_norm=1.0,
                        seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, n_microbatches=args.microbatches,
                        max_steps=args.steps + 2, seed=42, output_dir=output_dir, max_shard_size="1GB",
@@ -75,7 +75,7 @@ def _rank(rank, world_size, args, output_dir: str, resume: bool):
 
     layout = init_parallel(read_launch(), PP)
     try:
-        model_config = AutoConfig.from_pretrained(MODEL_DIR, num_hidden_layers=args.layers)
+        model_config = AutoConfig.from_pretrained(args.model, num_hidden_layers=args.layers)
         config = _config(args, output_dir, resume)
         rows = torch.randint(0, model_config.vocab_size, (args.steps + 2, args.micro_batch_size * args.microbatches,
                                                           args.seq_len), generator=torch.Generator().manual_seed(0))
@@ -115,6 +115,7 @@ def _rank(rank, world_size, args, output_dir: str, resume: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=MODEL_DIR, help="the model config folder")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--micro-batch-size", type=int, default=2)
@@ -143,10 +144,10 @@ def main() -> None:
         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     setup = {k: v for k, v in vars(args).items() if k != "out"}
-    args.out.write_text(json.dumps(dict(setup=dict(setup, pp=PP, model=str(MODEL_DIR.relative_to(ROOT))), ranks=rows,
+    args.out.write_text(json.dumps(dict(setup=dict(setup, pp=PP, model=str(args.model.resolve().relative_to(ROOT))), ranks=rows,
                                         resume_exact=exact, checkpoint_and_export_bytes=sum(on_disk.values())),
                                    indent=2) + "\n")
-    print(f"moe_2b shapes, {args.layers} layers, pp {PP}; "
+    print(f"{args.model.name} shapes, {args.layers} layers, pp {PP}; "
           f"resumed step's loss equals the uninterrupted run's: {exact}")
     phases = ("start_up", "steps", "save", "export", "resume")
     print("| rank | stages | baseline MiB | state MiB | "
