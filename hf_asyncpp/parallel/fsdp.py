@@ -188,7 +188,7 @@ def _gather_rows(sharded: list[tuple[str, DTensor]], dtype: torch.dtype) -> dict
         blocks.append(torch.nn.functional.pad(local.reshape(-1), (0, (r - local.shape[0]) * per_row)))
     mine = torch.cat(blocks)
     everyone = torch.empty(dp * mine.numel(), dtype=dtype, device=mine.device)
-    dist.all_gather_single(everyone, mine, group=mesh.get_group())
+    dist.all_gather_into_tensor(everyone, mine, group=mesh.get_group())
     everyone = everyone.view(dp, -1)
     whole, offset = {}, 0
     for name, tensor in sharded:
@@ -212,7 +212,7 @@ def _reduce_scatter_rows(sharded: list[tuple[str, DTensor]], sums: dict[str, tor
         blocks.append(torch.nn.functional.pad(flat, (0, (dp * r - tensor.shape[0]) * per_row)).view(dp, -1))
     everyone = torch.cat(blocks, dim=1).reshape(-1)
     mine = torch.empty(everyone.numel() // dp, dtype=dtype, device=everyone.device)
-    dist.reduce_scatter_single(mine, everyone, group=mesh.get_group())
+    dist.reduce_scatter_tensor(mine, everyone, group=mesh.get_group())
     mine = mine.float().mul_(scale / dp)
     reduced, offset = {}, 0
     for name, tensor in sharded:

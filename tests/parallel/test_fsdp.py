@@ -304,7 +304,7 @@ def _gathered_vs_full_tensor(rank, world_size):
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
 
     init_parallel(read_launch(), 1)
-    original = dist.all_gather_single
+    original = dist.all_gather_into_tensor
     calls = []
     try:
         mesh = init_device_mesh("cpu", (world_size,))
@@ -321,13 +321,13 @@ def _gathered_vs_full_tensor(rank, world_size):
             calls.append(args[1].dtype)
             return original(*args, **kwargs)
 
-        dist.all_gather_single = counting
+        dist.all_gather_into_tensor = counting
         dtype_of = lambda name, t: torch.float32 if name == "keep_fp32" else torch.bfloat16
         gathered = gather_whole(tensors, dtype_of)
         return dict(equal={n: bool(torch.equal(gathered[n], whole[n].to(dtype_of(n, whole[n])))) for n in whole},
                     dtypes={n: str(g.dtype) for n, g in gathered.items()}, collectives=sorted(map(str, calls)))
     finally:
-        dist.all_gather_single = original
+        dist.all_gather_into_tensor = original
         shutdown_parallel()
 
 
@@ -354,7 +354,7 @@ def _reduced_vs_summed(rank, world_size):
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
 
     init_parallel(read_launch(), 1)
-    original, original_cap = dist.reduce_scatter_single, fsdp.BUCKET_BYTES
+    original, original_cap = dist.reduce_scatter_tensor, fsdp.BUCKET_BYTES
     calls = []
     try:
         mesh = init_device_mesh("cpu", (world_size,))
@@ -370,7 +370,7 @@ def _reduced_vs_summed(rank, world_size):
             calls.append(args[1].numel())
             return original(*args, **kwargs)
 
-        dist.reduce_scatter_single = counting
+        dist.reduce_scatter_tensor = counting
         reports = {}
         for cap in (original_cap, 40):  # every tensor in one bucket; then buckets of ≤ 10 fp32 values
             fsdp.BUCKET_BYTES, calls[:] = cap, []
@@ -395,7 +395,7 @@ def _reduced_vs_summed(rank, world_size):
             differs_from_fp32=any(not torch.equal(in_bf16[n], expected[n]) for n in ("uneven", "stack")))
         return reports
     finally:
-        dist.reduce_scatter_single, fsdp.BUCKET_BYTES = original, original_cap
+        dist.reduce_scatter_tensor, fsdp.BUCKET_BYTES = original, original_cap
         shutdown_parallel()
 
 
