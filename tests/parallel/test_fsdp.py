@@ -251,8 +251,8 @@ def _dtypes_seen_in_forward(rank, world_size, pp_size, schedule):
 @pytest.mark.multirank
 @pytest.mark.parametrize("pp_size, schedule", [(1, "gpipe"), (2, "pipedream-2bw")])
 def test_under_bf16_deepseek_v3_routers_still_compute_in_fp32(pp_size, schedule):
-    """transformers keeps DeepSeek-V3's router weight in fp32 (`_keep_in_fp32_modules_strict`, from
-    5.24 on; 5.17 keeps only the routing bias); the bf16 policy must keep exactly what the class keeps, or
+    """transformers keeps DeepSeek-V3's router weight in fp32 (`_keep_in_fp32_modules_strict`: 5.25
+    does; 5.17 keeps only the routing bias); the bf16 policy must keep exactly what the class keeps, or
     expert choice would follow other scores than the model's own."""
     from transformers import DeepseekV3ForCausalLM
 
