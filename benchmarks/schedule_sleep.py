@@ -138,7 +138,8 @@ def _sleep_on(module, times: tuple[float, float, float], link_s: float, received
     module.register_forward_hook(after)
 
 
-def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps: int, clock_base: float) -> list[float]:
+def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps: int, clock_base: float,
+                  clip_globally: bool) -> list[float]:
     """The end time (time.perf_counter, one clock for every process) of each step on this rank."""
     import torch
 
@@ -159,7 +160,7 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
         config = TrainConfig(model_config="tiny-llama", pp_size=world_size, schedule=schedule, optimizer="adamw",
                              learning_rate=1e-3, seq_len=SEQ_LEN, micro_batch_size=1, n_microbatches=m,
                              max_steps=total, ef=not spec.synchronous,
-                             grad_clip_scope="stage" if schedule == "wpipe" else "global")
+                             grad_clip_scope="global" if clip_globally else "stage")
         engine = PipelineEngine(config, model_config, layout)
         executor = engine.executor
         to_rank = spec.stage_ranks(world_size)
@@ -186,14 +187,14 @@ def measure(pool, schedule: str, pp_size: int, m: int, sleeps: Sleeps, steps: in
 
     spec = get_schedule_spec(schedule)
     row = dict(schedule=schedule, pp_size=pp_size, n_microbatches=m, **asdict(sleeps))
-    clip = schedule != "wpipe"
+    clip = schedule != "wpipe"  # the one schedule that cannot clip by the global norm (config_checks)
     try:
         spec.check_microbatches(pp_size, m, clip_globally=clip and not spec.synchronous)
         model_step, limit = spec.steady_step(pp_size, m, sleeps.action_cost(spec.n_stages(pp_size), spec.stages_per_rank),
                                              clip_globally=clip, link_s=sleeps.link_s)
     except (ValueError, ScheduleError) as err:
         return dict(row, refused=str(err).splitlines()[0])
-    ends = pool.run(pp_size, _sleeping_run, schedule, m, sleeps, steps, time.perf_counter(), timeout_s=300)
+    ends = pool.run(pp_size, _sleeping_run, schedule, m, sleeps, steps, time.perf_counter(), clip, timeout_s=300)
     last = [max(rank[k] for rank in ends) for k in range(len(ends[0]))]
     step = (last[-1] - last[WARMUP_STEPS - 1]) / steps
     row.update(measured_ms=round(1000 * step, 1), limit_ms=round(1000 * limit, 1), model_ms=round(1000 * model_step, 1))
