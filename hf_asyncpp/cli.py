@@ -189,19 +189,32 @@ def _prepare_data(argv: list[str]) -> int:
 def _plan(argv: list[str]) -> int:
     import argparse
     import json
+    from dataclasses import replace
 
     from .config import ConfigError, load_config
     from .planning.plan import named_temporaries, overshoot, plan_layout, table
+    from .planning.step_time import Device, fastest_fitting, predict_steps, step_table
 
     parser = argparse.ArgumentParser(prog="hf-asyncpp plan", description="each rank's peak device memory, "
-                                     "played on fake tensors at the config's real size")
+                                     "played on fake tensors at the config's real size, and each schedule's "
+                                     "step predicted from its stages' FLOPs")
     parser.add_argument("config", nargs="?", help="the run's YAML config (or --config FILE)")
     parser.add_argument("--config", dest="config_option", metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, help="ranks in all (pp_size × dp); default pp_size")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
     parser.add_argument("--allowance-gib", type=float, help="kept free on every rank for what the plan cannot see "
                         "(default: each rank's own: CUDA context, workspaces, NCCL per communicator, fragmentation)")
-    parser.add_argument("--json", dest="json_path", help="write every rank's plan here")
+    parser.add_argument("--schedules", default="", help="other schedules whose memory to play too, comma-separated "
+                        "(each takes as long as the config's)")
+    device = Device()
+    parser.add_argument("--peak-tflops", type=float, default=device.peak_tflops,
+                        help="each GPU's dense bf16 peak for the predicted step (default: an H100 SXM's)")
+    parser.add_argument("--mfu", type=float, default=device.mfu, help="the share of that peak the stages reach")
+    parser.add_argument("--memory-tbs", type=float, default=device.memory_tbs,
+                        help="each GPU's memory bandwidth, TB/s (the optimizer step)")
+    parser.add_argument("--link-gbs", type=float, default=device.link_gbs,
+                        help="GB/s of the link between pipeline ranks (default: 400 Gb/s InfiniBand)")
+    parser.add_argument("--json", dest="json_path", help="write every rank's plan and the predicted steps here")
     args, overrides = _parse(parser, argv, known=True)
     args.config = args.config_option or args.config
     if args.config is None:
@@ -212,25 +225,47 @@ def _plan(argv: list[str]) -> int:
         if world_size % config.pp_size:
             raise ConfigError(f"--world-size {world_size} is not a multiple of pp_size {config.pp_size}")
         from .config_checks import build_model_config, fit_global_batch
+        from .schedules import get_schedule_spec
 
         fit_global_batch(config, world_size)
         model_config = build_model_config(config)  # the model the run builds, init_from's and overrides included
+        played = [get_schedule_spec(config.schedule).name]
+        played += [get_schedule_spec(name).name for name in args.schedules.split(",") if name]
     except (ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    ranks = plan_layout(config, model_config, world_size)
-    print(table(ranks))
-    for line in named_temporaries(ranks):
-        print(line)
+    device = Device(args.peak_tflops, args.mfu, args.memory_tbs, args.link_gbs)
+    steps = predict_steps(config, model_config, world_size, device)
+    runs = {r["schedule"] for r in steps if "step_s" in r}
+    plans, fits = {}, {}
+    for name in dict.fromkeys(played):
+        if name not in runs and name != played[0]:
+            continue
+        ranks = plan_layout(replace(config, schedule=name), model_config, world_size)
+        plans[name], fits[name] = ranks, overshoot(ranks, args.gpu_memory_gib, args.allowance_gib) is None
+        print(f"{name}:\n{table(ranks)}")
+        for line in named_temporaries(ranks):
+            print(line)
+    print(f"\npredicted step per schedule ({device.peak_tflops:g} TFLOP/s × MFU {device.mfu:g}, "
+          f"{device.memory_tbs:g} TB/s, links {device.link_gbs:g} GB/s; docs/scale.md):\n{step_table(steps, fits)}")
+    best = fastest_fitting(steps, fits)
+    fastest = min((r for r in steps if "step_s" in r), key=lambda r: r["step_s"], default=None)
+    if best is not None:
+        print(f"fastest that fits: {best['schedule']} ({1000 * best['step_s']:.0f} ms a step)")
+    if fastest is not None and fastest["schedule"] not in fits:
+        print(f"fastest predicted: {fastest['schedule']}, its memory not played (--schedules {fastest['schedule']})")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({
             "config": args.config, "overrides": overrides, "world_size": world_size,
-            "gpu_memory_gib": args.gpu_memory_gib, "allowance_gib": args.allowance_gib, "ranks": ranks}, indent=2) + "\n")
-    over = overshoot(ranks, args.gpu_memory_gib, args.allowance_gib)
+            "gpu_memory_gib": args.gpu_memory_gib, "allowance_gib": args.allowance_gib,
+            "ranks": plans.get(played[0], []), "other_schedules": {k: v for k, v in plans.items() if k != played[0]},
+            "device": vars(device), "steps": steps}, indent=2) + "\n")
+    own = plans.get(played[0])
+    over = overshoot(own, args.gpu_memory_gib, args.allowance_gib) if own else None
     if over:
         print(over, file=sys.stderr)
         return 1
-    print(f"every rank fits a {args.gpu_memory_gib:g} GiB GPU with its allowance to spare")
+    print(f"every rank of {played[0]} fits a {args.gpu_memory_gib:g} GiB GPU with its allowance to spare")
     return 0
 
 

@@ -39,13 +39,14 @@ def test_every_schedule_runs_on_sleeping_stages_at_p4_m4(rows):
 def test_the_sleeps_per_step_are_the_stage_costs_the_model_plays():
     sleeps = schedule_sleep.Sleeps(0.005, 0.006, 0.004, 2.0, 0.0)
     # 1F1B at p 4, m 4: the busiest rank (the last, its sleeps doubled) computes 4 × 2 × (5 + 6 + 4) ms.
+    from hf_asyncpp.planning.step_time import predict_step
     from hf_asyncpp.schedules import get_schedule_spec
 
-    _, limit = get_schedule_spec("1f1b").steady_step(4, 4, sleeps.action_cost(4, 1))
+    _, limit = predict_step(get_schedule_spec("1f1b"), 4, 4, sleeps.stage_costs(4, 1))
     assert limit == pytest.approx(4 * 2 * 0.015)
     # ZBV's split backward: its input half sleeps B, its weight half W, on the stage they belong to.
     # Two stages on a rank (ZBV's V) each sleep half the rank's time: rank 0 holds stages 0 and 7 (the last).
-    _, limit = get_schedule_spec("zbv").steady_step(4, 8, sleeps.action_cost(8, 2))
+    _, limit = predict_step(get_schedule_spec("zbv"), 4, 8, sleeps.stage_costs(8, 2))
     assert limit == pytest.approx(8 * (0.015 + 2 * 0.015) / 2)
 
 
