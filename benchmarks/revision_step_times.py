@@ -9,7 +9,7 @@ in the machine's load reaches both alike; each number is the median over rounds,
 head / base is the median of the rounds' ratios.
 
     python benchmarks/revision_step_times.py --base REV [--head HEAD] [--schedules 1f1b,pipedream-2bw,pipedream]
-        [--microbatches 4] [--steps 8] [--warmup 3] [--emulated-steps 30] [--rounds 3]
+        [--microbatches 4] [--steps 8] [--warmup 3] [--emulated-steps 30] [--rounds 3] [--seq-len N] [--micro-batch-size N]
         [--out benchmarks/results/revision_step_times.json]
 """
 
@@ -49,8 +49,10 @@ def _run(worktree: Path, command: list[str]) -> None:
 
 def _pipelines(worktree: Path, args, out: Path) -> dict[str, float]:
     """(schedule, m) → step ms of the revision's pipelines, one round."""
+    sizes = [*(["--seq-len", str(args.seq_len)] if args.seq_len else []),
+             *(["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else [])]
     _run(worktree, ["benchmarks/pipeline_schedules.py", "--schedules", args.schedules, "--microbatches",
-                    args.microbatches, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)])
+                    args.microbatches, "--steps", str(args.steps), "--warmup", str(args.warmup), *sizes, "--out", str(out)])
     return {f"{r['schedule']} m={r['n_microbatches']}": r["step_ms"] for r in json.loads(out.read_text())["results"]}
 
 
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--emulated-steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, help="passed to both revisions' pipeline_schedules.py (default: theirs)")
+    parser.add_argument("--micro-batch-size", type=int, help="likewise")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     if args.emulated_steps <= _SKIPPED + 1 or args.rounds < 1:

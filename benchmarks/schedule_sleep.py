@@ -105,9 +105,10 @@ class DeviceClock:
 BLOCKED_S = 0.001  # a wait this long or longer blocked on its collective
 
 
-def waits_catch_up(clock: DeviceClock) -> None:
+def waits_catch_up(clock: DeviceClock):
     """Make this process's all-reduces catch `clock` up with the host when their wait blocks (see
-    DeviceClock): the collective completed when the last rank reached it, as the wait ended."""
+    DeviceClock): the collective completed when the last rank reached it, as the wait ended. Returns
+    what undoes it (a rank process runs many rows)."""
     import torch.distributed as dist
 
     all_reduce = dist.all_reduce
@@ -138,6 +139,7 @@ def waits_catch_up(clock: DeviceClock) -> None:
         return work
 
     dist.all_reduce = timed_all_reduce
+    return lambda: setattr(dist, "all_reduce", all_reduce)
 
 
 def _sleep_on(module, times: tuple[float, float, float], link_s: float, received: tuple[bool, bool],
@@ -232,7 +234,8 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
 
     torch.set_num_threads(1)
     spec = get_schedule_spec(schedule)
-    n_stages, total = spec.n_stages(world_size), WARMUP_STEPS + steps
+    # the warm-up, the measured steps, and a last one that drains what a pipeline forwards ahead (unmeasured)
+    n_stages, total = spec.n_stages(world_size), WARMUP_STEPS + steps + 1
     layout = init_parallel(read_launch(), world_size)
     try:
         model_config = build_config("tiny-llama", hidden_size=8, intermediate_size=8, num_hidden_layers=n_stages,
@@ -255,19 +258,19 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
         for updater in executor.updaters:
             updater.optimizer.register_step_pre_hook(optimizer_step)
         rows = torch.randint(0, model_config.vocab_size, (m, SEQ_LEN), generator=torch.Generator().manual_seed(0))
-        waits_catch_up(clock)
-        ends, lags = [], []
+        restore = waits_catch_up(clock)
+        ends, lags, host_s = [], [], []
         for k in range(total):
             if k < WARMUP_STEPS:
                 clock.catch_up()
-            elif k == WARMUP_STEPS:
-                host_s = time.process_time()
+            host_s.append(time.process_time())
             engine.train_step(rows, rows if engine.forwards_ahead and k + 1 < total else None)
             ends.append(time.perf_counter())
             lags.append(clock.lag())
-        host_s = time.process_time() - host_s
+        measured = slice(WARMUP_STEPS, WARMUP_STEPS + steps)
         engine.finish()
-        return ends, max(lags[WARMUP_STEPS:]), host_s
+        restore()
+        return ends, max(lags[measured]), host_s[WARMUP_STEPS + steps] - host_s[WARMUP_STEPS]
     finally:
         shutdown_parallel()
 
@@ -291,7 +294,7 @@ def measure(pool, schedule: str, pp_size: int, m: int, sleeps: Sleeps, steps: in
                     clock == "device", timeout_s=300)
     ends = [rank_ends for rank_ends, _, _ in ran]
     last = [max(rank[k] for rank in ends) for k in range(len(ends[0]))]
-    step = (last[-1] - last[WARMUP_STEPS - 1]) / steps
+    step = (last[WARMUP_STEPS + steps - 1] - last[WARMUP_STEPS - 1]) / steps
     row.update(measured_ms=round(1000 * step, 1), limit_ms=round(1000 * limit, 1), model_ms=round(1000 * model_step, 1),
                host_lag_ms=round(1000 * max(lag for _, lag, _ in ran), 1),
                host_cores=round(sum(host_s for _, _, host_s in ran) / (step * steps), 2))
