@@ -3,28 +3,36 @@
 This 2-core machine cannot time 4 or 8 ranks that compute, but ranks that sleep need (almost) no core.
 Each of `--pp` gloo ranks runs the real engine (engine.PipelineEngine: the executor of its kind, the
 schedule's runtime and communication plan, weight versions, Error Feedback, the optimizer step, clipping
-by the global norm) on a tiny real model, one decoder layer per stage, whose stages sleep on top of
-their own small compute:
+by the global norm) on a tiny real model, one decoder layer per stage, whose stages take these times
+(sleeping_stage.py):
 
 - forward: `--forward-ms` per microbatch;
 - backward: `--backward-ms` for the input gradient and `--weight-ms` for the weight gradient (a full
-  backward sleeps both; ZBV's split runs them as its I and W actions);
+  backward takes both; ZBV's split runs them as its I and W actions);
 - the last stage's three `--last-stage-factor` times as long (its LM head);
 - these are a rank's times: where a schedule puts two stages on a rank (interleaved 1F1B, ZBV, WPipe),
-  each sleeps half, as a rank's layers split in two chunks would compute;
+  each takes half, as a rank's layers split in two chunks would compute;
 - each optimizer step `--optimizer-ms` (a hook on the optimizer: once per stage update);
-- each message between ranks `--link-ms` on its way (a slower link: the stage that uses a message waits
-  until that long after it was sent, read from a timestamp the message carries).
+- each message between ranks `--link-ms` on its way (a slower link: the stage that uses a message starts
+  no earlier than that long after it was sent, read from a timestamp the message carries).
 
-The step is measured in steady state: from the end of the warm-up steps to the end of the last, on the
-latest rank, divided by the steps. Beside it: the bubble-free limit (the busiest rank's sleep per step)
-and the timing model's step for the same costs (schedules/play.py, what the checker and the slowdown
-warnings use: compute, the optimizer step at each update, the global norm's wait, message time); the
-asynchronous schedules run with Error Feedback; every schedule clips by the global norm but WPipe, which
-cannot. Timings are reported, never asserted.
+Time is kept on a device clock per rank (`--clock device`, sleeping_stage.DeviceClock): the host's own
+work (the runtime, the tiny layer, gloo; 8 ranks share 2 cores here) overlaps the sleeps, as a GPU's host
+runs ahead of its kernels, and shows only where the host falls behind: each row reports the host's lag
+behind its device clock and the cores the ranks' hosts used. `--clock host` adds the host's time to the
+sleeps instead.
+
+The step is measured in steady state on the latest rank: from the end of the warm-up steps to the end of
+the measured ones, divided by their number (a last step, which drains what the asynchronous pipelines
+forwarded ahead, is not measured). Beside it: the bubble-free limit (the busiest rank's time per step)
+and the timing model's step for the same costs (planning/step_time.predict_step: schedules/play.py, what
+the checker, the slowdown warnings and `hf-asyncpp plan` use: compute, the optimizer step at each update,
+the global norm's wait, message time); the asynchronous schedules run with Error Feedback; every schedule
+clips by the global norm but WPipe, which cannot. Timings are reported, never asserted.
 
     python benchmarks/schedule_sleep.py [--pp 4,8] [--microbatches 1,2,4] [--schedules all] [--forward-ms 20]
-        [--backward-ms 40] [--weight-ms 0] [--last-stage-factor 1,2] [--optimizer-ms 0] [--link-ms 0,20] [--steps 4]
+        [--backward-ms 40] [--weight-ms 0] [--last-stage-factor 1,2] [--optimizer-ms 0] [--link-ms 0,20]
+        [--clock device] [--steps 4] [--figure PATH]
 
 `--microbatches` are multiples of the depth (m = k·p); sizes a schedule refuses are listed as refused.
 """
@@ -66,157 +74,6 @@ class Sleeps:
         return [StageCost(*self.of_stage(s, n_stages, stages_per_rank), self.optimizer_s) for s in range(n_stages)]
 
 
-class DeviceClock:
-    """When a rank's device is free, one clock for every process on this machine (seconds after `base`).
-
-    With `overlap` (the default) the host's own work overlaps the device's, as a host that launches
-    kernels runs ahead of its GPU: an action starts when the rank's previous action has ended and its
-    input has arrived, both by this clock, and the host sleeps until the action would end. The host's
-    time (the runtime, the tiny layer, gloo) is then hidden wherever the device's time covers it. Where
-    the host waits for a collective (the global norm, the step's statistics) and the wait blocks, the
-    collective completed as the wait ended: the clock catches up with the host (`waits_catch_up`); so it
-    does through the warm-up steps (start-up work). Without `overlap` every action starts when the host
-    gets to it: the host's time on 8 ranks sharing 2 cores adds to the device's (the `host` clock)."""
-
-    def __init__(self, base: float, overlap: bool):
-        self.base, self.overlap, self.free_at = base, overlap, None
-
-    def now(self) -> float:
-        return time.perf_counter() - self.base
-
-    def catch_up(self) -> None:
-        self.free_at = max(self.free_at or 0.0, self.now())
-
-    def start(self, arrival: float = 0.0) -> float:
-        """When an action whose input arrives at `arrival` starts."""
-        if self.free_at is None or not self.overlap:
-            self.catch_up()
-        return max(self.free_at, arrival)
-
-    def lag(self) -> float:
-        """How far the host is behind the device (seconds; 0 when ahead)."""
-        return max(0.0, self.now() - (self.free_at or 0.0))
-
-    def run_until(self, end: float) -> None:
-        self.free_at = end
-        time.sleep(max(0.0, end - self.now()))
-
-
-BLOCKED_S = 0.001  # a wait this long or longer blocked on its collective
-
-
-def waits_catch_up(clock: DeviceClock):
-    """Make this process's all-reduces catch `clock` up with the host when their wait blocks (see
-    DeviceClock): the collective completed when the last rank reached it, as the wait ended. Returns
-    what undoes it (a rank process runs many rows)."""
-    import torch.distributed as dist
-
-    all_reduce = dist.all_reduce
-
-    def after(started: float) -> None:
-        if clock.now() - started >= BLOCKED_S:
-            clock.catch_up()
-
-    class Waited:
-        def __init__(self, work):
-            self.work = work
-
-        def wait(self, *args, **kwargs):
-            started = clock.now()
-            done = self.work.wait(*args, **kwargs)
-            after(started)
-            return done
-
-        def __getattr__(self, name):
-            return getattr(self.work, name)
-
-    def timed_all_reduce(*args, async_op: bool = False, **kwargs):
-        started = clock.now()
-        work = all_reduce(*args, async_op=async_op, **kwargs)
-        if async_op:
-            return Waited(work)
-        after(started)
-        return work
-
-    dist.all_reduce = timed_all_reduce
-    return lambda: setattr(dist, "all_reduce", all_reduce)
-
-
-def _sleep_on(module, times: tuple[float, float, float], link_s: float, received: tuple[bool, bool],
-              split_backward: bool, clock: DeviceClock) -> None:
-    """Make `module` (a pipeline stage) take `times` (forward, input gradient, weight gradient) per
-    microbatch by `clock`: the stage's own small compute is inside that time.
-
-    - forward: from its start (a pre-hook) to its output, which passes through a function that sleeps;
-    - backward: from the output's gradient to the end of the backward pass (a callback the autograd
-      engine runs when the pass ends). A full backward also lasts the weight gradient's time; with
-      `split_backward` (ZBV) the weight-gradient action computes that gradient apart and takes its time,
-      as the gradient of the weight its forward used (the one bound to that microbatch, under weight
-      versions) is computed.
-
-    Each message between ranks carries, in its first element, when it was sent by `clock`; the stage
-    that uses it starts no earlier than `link_s` after that (a slower link). `received`: whether the
-    stage's input, and its output's gradient, come from another rank."""
-    import torch
-    from torch.autograd import Variable
-
-    forward_s, backward_s, weight_s = times
-    full_backward_s = backward_s + (0.0 if split_backward else weight_s)
-    pending: dict = {}  # the backward pass under way: when it ends
-
-    def arrival(t: torch.Tensor, from_another_rank: bool) -> float:
-        return t.view(-1)[0].item() + link_s if from_another_rank else 0.0
-
-    def end_backward() -> None:
-        clock.run_until(pending.pop("backward_end"))
-
-    class SleepOnOutput(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            clock.run_until(clock.free_at + forward_s)
-            out = x.clone()  # a view of its input here makes torch's split backward lose a gradient
-            out.view(-1)[0] = clock.free_at
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            pending["backward_end"] = clock.start(arrival(grad, received[1])) + full_backward_s
-            Variable._execution_engine.queue_callback(end_backward)
-            return grad
-
-    class StampInputGradient(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.clone()  # sent back once the pass ends, so stamped with when it ends
-            grad.view(-1)[0] = pending["backward_end"]
-            return grad
-
-    def on_weight_gradient(grad):
-        if split_backward and "backward_end" not in pending:  # ZBV's weight-gradient action
-            clock.run_until(clock.start() + weight_s)
-        return grad
-
-    def before(_module, args):
-        clock.free_at = clock.start(arrival(args[0], received[0]))  # the forward starts here
-        return (StampInputGradient.apply(args[0]), *args[1:]) if received[0] else None
-
-    def after(bound_module, _inputs, output):
-        weight = next(bound_module.parameters())  # the microbatch's own (a version's copy)
-        if weight.requires_grad and not getattr(weight, "_sleeps", False):
-            weight.register_hook(on_weight_gradient)
-            weight._sleeps = True
-        first = output[0] if isinstance(output, tuple) else output
-        slept = SleepOnOutput.apply(first)
-        return (slept, *output[1:]) if isinstance(output, tuple) else slept
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
-
-
 def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps: int, clock_base: float,
                   clip_globally: bool, overlap: bool) -> tuple[list[float], float, float]:
     """The end time (time.perf_counter, one clock for every process) of each step on this rank, how far
@@ -231,6 +88,7 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
     from hf_asyncpp.schedules import get_schedule_spec
     from hf_asyncpp.torch_internals import BACKWARD_INPUT
+    from sleeping_stage import DeviceClock, sleep_on, waits_catch_up
 
     torch.set_num_threads(1)
     spec = get_schedule_spec(schedule)
@@ -250,7 +108,7 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
         split_backward = BACKWARD_INPUT in {a.computation_type for a in spec.actions(world_size, m)[rank] if a}
         for module, stage in zip(executor.modules, executor.stage_ids):
             received = (stage > 0 and to_rank[stage - 1] != rank, stage < n_stages - 1 and to_rank[stage + 1] != rank)
-            _sleep_on(module, sleeps.of_stage(stage, n_stages, spec.stages_per_rank), sleeps.link_s, received,
+            sleep_on(module, sleeps.of_stage(stage, n_stages, spec.stages_per_rank), sleeps.link_s, received,
                       split_backward, clock)
 
         def optimizer_step(*_):
@@ -267,10 +125,10 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
             engine.train_step(rows, rows if engine.forwards_ahead and k + 1 < total else None)
             ends.append(time.perf_counter())
             lags.append(clock.lag())
-        measured = slice(WARMUP_STEPS, WARMUP_STEPS + steps)
         engine.finish()
         restore()
-        return ends, max(lags[measured]), host_s[WARMUP_STEPS + steps] - host_s[WARMUP_STEPS]
+        window = slice(WARMUP_STEPS - 1, WARMUP_STEPS + steps)  # the ends the measurement runs between
+        return ends, max(lags[window]), host_s[WARMUP_STEPS + steps] - host_s[WARMUP_STEPS]
     finally:
         shutdown_parallel()
 
@@ -337,13 +195,44 @@ def table(rows: list[dict]) -> str:
         speedup = r.get("tokens_per_s_over_best_synchronous")
         ratios = [f"{r[k]:.3f}" if k in r else "" for k in ("measured_over_limit", "measured_over_model")]
         lines.append(head + f"{r['measured_ms']} | {r['limit_ms']} | {r['model_ms']} | {ratios[0]} | {ratios[1]} | "
-                     + (f"{speedup:.3f} ({r['best_synchronous']})" if speedup else "") + f" | {r['host_cores']:.2f} |")
+                     + (f"{speedup:.3f} ({r['best_synchronous']})" if speedup else "") + f" | {r.get('host_cores', '')} |")
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    from hf_asyncpp.parallel.spawn import RankPool
+def figure(rows: list[dict], path: Path) -> None:
+    """Throughput relative to the bubble-free limit (limit ÷ measured step) per schedule against depth and
+    microbatches: one panel per stage balance × link, the optimizer's time as measured."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
+    measured = [r for r in rows if "measured_ms" in r and r["clock"] == "device"]
+    sizes = sorted({(r["pp_size"], r["n_microbatches"]) for r in measured})
+    panels = sorted({(r["last_stage_factor"], r["link_s"]) for r in measured})
+    columns = 2 if len(panels) > 2 else len(panels)
+    grid_rows = -(-len(panels) // columns)
+    fig = Figure(figsize=(4.6 * columns, 3.4 * grid_rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(grid_rows, columns, sharey=True, squeeze=False).ravel()
+    for ax, (factor, link_s) in zip(axes, panels):
+        for schedule in SCHEDULES:
+            points = {(r["pp_size"], r["n_microbatches"]): r["limit_ms"] / r["measured_ms"] for r in measured
+                      if (r["schedule"], r["last_stage_factor"], r["link_s"]) == (schedule, factor, link_s)}
+            xs = [i for i, size in enumerate(sizes) if size in points]
+            ax.plot(xs, [points[sizes[i]] for i in xs], marker="o", label=schedule)
+        ax.set_xticks(range(len(sizes)), [f"p{p}\nm{m}" for p, m in sizes])
+        balance = "balanced" if factor == 1 else f"last stage {factor:g}×"
+        ax.set_title(f"{balance}, link {1000 * link_s:g} ms", fontsize=10)
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    for ax in axes[::columns]:
+        ax.set_ylabel("bubble-free limit ÷ measured step")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=8, loc="lower left", ncols=2)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", default="4,8", help="pipeline depths, comma-separated")
     parser.add_argument("--microbatches", default="1,2,4", help="microbatches per step as multiples of the depth")
@@ -359,7 +248,26 @@ def main(argv=None) -> None:
                              "adds to them), or both, comma-separated")
     parser.add_argument("--steps", type=int, default=4, help="measured steps, after 2 warm-up steps")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--figure", help="also draw the rows here (PNG)")
+    parser.add_argument("--report-only", action="store_true", help="print the table (and --figure) of --out's rows")
     args = parser.parse_args(argv)
+    if args.report_only:
+        rows = json.loads(Path(args.out).read_text())["rows"]
+    else:
+        rows = _run(args)
+        with_speedups(rows)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"warmup_steps": WARMUP_STEPS, "steps": args.steps, "rows": rows},
+                                             indent=1))
+    print(table(rows))
+    if args.figure:
+        figure(rows, Path(args.figure))
+    print(f"wrote {args.out}" + (f" and {args.figure}" if args.figure else ""))
+
+
+def _run(args) -> list[dict]:
+    from hf_asyncpp.parallel.spawn import RankPool
+
     schedules = SCHEDULES if args.schedules == "all" else tuple(args.schedules.split(","))
     rows, pool = [], RankPool()
     try:
@@ -375,11 +283,7 @@ def main(argv=None) -> None:
                                 print(json.dumps(rows[-1]), flush=True)
     finally:
         pool.close()
-    with_speedups(rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"warmup_steps": WARMUP_STEPS, "steps": args.steps, "rows": rows}, indent=1))
-    print(table(rows))
-    print(f"wrote {args.out}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ZBV's split backward among them, runs the real engine on four ranks whose stages sleep, and its row holds
 the measured step beside the bubble-free limit and the timing model's. What the numbers are is the
 benchmark's business (benchmarks/README.md); here only what must hold whatever the machine: a step cannot
-take less than its busiest rank sleeps."""
+take less than its busiest rank's device clock is busy."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_every_schedule_runs_on_sleeping_stages_at_p4_m4(rows):
     for r in rows:
         assert "refused" not in r, r
         assert (r["pp_size"], r["n_microbatches"]) == (4, 4)
-        assert r["measured_ms"] >= r["limit_ms"] > 0, r  # the busiest rank sleeps this long every step
+        # the busiest rank's device is busy this long every step; the host may run behind its device clock
+        assert r["measured_ms"] + r["host_lag_ms"] >= r["limit_ms"] > 0, r
         assert r["model_ms"] >= r["limit_ms"], r
 
 
