@@ -133,32 +133,53 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
         shutdown_parallel()
 
 
+def modelled(row: dict) -> dict:
+    """The row's bubble-free limit and the timing model's step (ms; planning/step_time.predict_step) for
+    its sleeps, with messages overlapping on a link as gloo's do (what the ranks here run on) and holding
+    their pair's stream as NCCL's do (what a GPU run gets, and `hf-asyncpp plan` predicts). Raises
+    ValueError or ScheduleError where the schedule refuses the size."""
+    from hf_asyncpp.planning.step_time import predict_step
+    from hf_asyncpp.schedules import get_schedule_spec
+
+    spec, p, m = get_schedule_spec(row["schedule"]), row["pp_size"], row["n_microbatches"]
+    sleeps = Sleeps(**{f.name: row[f.name] for f in fields(Sleeps)})
+    clip = clips_globally(row["schedule"])
+    spec.check_microbatches(p, m, clip_globally=clip and not spec.synchronous)
+    costs = sleeps.stage_costs(spec.n_stages(p), spec.stages_per_rank)
+    step, limit = predict_step(spec, p, m, costs, clip, sleeps.link_s, link_holds_stream=False)
+    nccl, _ = predict_step(spec, p, m, costs, clip, sleeps.link_s, link_holds_stream=True)
+    return dict(limit_ms=round(1000 * limit, 1), model_ms=round(1000 * step, 1), nccl_model_ms=round(1000 * nccl, 1))
+
+
+def clips_globally(schedule: str) -> bool:
+    return schedule != "wpipe"  # the one schedule that cannot clip by the global norm (config_checks)
+
+
+def with_ratios(row: dict) -> dict:
+    if row.get("limit_ms", 0) > 0:  # with no sleep at all, the step is the runtime's own cost alone
+        row.update(measured_over_limit=round(row["measured_ms"] / row["limit_ms"], 3),
+                   measured_over_model=round(row["measured_ms"] / row["model_ms"], 3))
+    return row
+
+
 def measure(pool, schedule: str, pp_size: int, m: int, sleeps: Sleeps, steps: int, clock: str = "device") -> dict:
     """One row: the measured steady step beside the bubble-free limit and the timing model's step (ms).
     `clock`: "device" (the host's work overlaps the sleeps) or "host" (it adds to them); see DeviceClock."""
-    from hf_asyncpp.planning.step_time import predict_step
-    from hf_asyncpp.schedules import ScheduleError, get_schedule_spec
+    from hf_asyncpp.schedules import ScheduleError
 
-    spec = get_schedule_spec(schedule)
     row = dict(schedule=schedule, pp_size=pp_size, n_microbatches=m, **asdict(sleeps), clock=clock)
-    clip = schedule != "wpipe"  # the one schedule that cannot clip by the global norm (config_checks)
     try:
-        spec.check_microbatches(pp_size, m, clip_globally=clip and not spec.synchronous)
-        costs = sleeps.stage_costs(spec.n_stages(pp_size), spec.stages_per_rank)
-        model_step, limit = predict_step(spec, pp_size, m, costs, clip, sleeps.link_s)
+        row.update(modelled(row))
     except (ValueError, ScheduleError) as err:
         return dict(row, refused=str(err).splitlines()[0])
-    ran = pool.run(pp_size, _sleeping_run, schedule, m, sleeps, steps, time.perf_counter(), clip,
-                    clock == "device", timeout_s=300)
+    ran = pool.run(pp_size, _sleeping_run, schedule, m, sleeps, steps, time.perf_counter(), clips_globally(schedule),
+                   clock == "device", timeout_s=300)
     ends = [rank_ends for rank_ends, _, _ in ran]
     last = [max(rank[k] for rank in ends) for k in range(len(ends[0]))]
     step = (last[WARMUP_STEPS + steps - 1] - last[WARMUP_STEPS - 1]) / steps
-    row.update(measured_ms=round(1000 * step, 1), limit_ms=round(1000 * limit, 1), model_ms=round(1000 * model_step, 1),
-               host_lag_ms=round(1000 * max(lag for _, lag, _ in ran), 1),
+    row.update(measured_ms=round(1000 * step, 1), host_lag_ms=round(1000 * max(lag for _, lag, _ in ran), 1),
                host_cores=round(sum(host_s for _, _, host_s in ran) / (step * steps), 2))
-    if limit > 0:  # with no sleep at all, the step is the runtime's own cost alone
-        row.update(measured_over_limit=round(step / limit, 3), measured_over_model=round(step / model_step, 3))
-    return row
+    return with_ratios(row)
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:
@@ -184,17 +205,18 @@ def with_speedups(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| schedule | p | m | last stage × | optimizer ms | link ms | clock | measured ms | limit ms | model ms | "
-             "measured / limit | measured / model | tokens/s ÷ best sync | host cores |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "measured / limit | measured / model | model, NCCL links ms | tokens/s ÷ best sync | host cores |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         head = (f"| {r['schedule']} | {r['pp_size']} | {r['n_microbatches']} | {r['last_stage_factor']:g} | "
                 f"{1000 * r['optimizer_s']:g} | {1000 * r['link_s']:g} | {r['clock']} | ")
         if "refused" in r:
-            lines.append(head + f"refused: {r['refused'][:70]} | | | | | | |")
+            lines.append(head + f"refused: {r['refused'][:70]} | | | | | | | |")
             continue
         speedup = r.get("tokens_per_s_over_best_synchronous")
         ratios = [f"{r[k]:.3f}" if k in r else "" for k in ("measured_over_limit", "measured_over_model")]
         lines.append(head + f"{r['measured_ms']} | {r['limit_ms']} | {r['model_ms']} | {ratios[0]} | {ratios[1]} | "
+                     f"{r.get('nccl_model_ms', '')} | "
                      + (f"{speedup:.3f} ({r['best_synchronous']})" if speedup else "") + f" | {r.get('host_cores', '')} |")
     return "\n".join(lines)
 
@@ -251,14 +273,15 @@ def main(argv=None) -> None:
     parser.add_argument("--figure", help="also draw the rows here (PNG)")
     parser.add_argument("--report-only", action="store_true", help="print the table (and --figure) of --out's rows")
     args = parser.parse_args(argv)
-    if args.report_only:
-        rows = json.loads(Path(args.out).read_text())["rows"]
+    if args.report_only:  # the model's columns recomputed: a change to the model needs no new measurement
+        rows = [with_ratios(r | modelled(r)) if "measured_ms" in r else r
+                for r in json.loads(Path(args.out).read_text())["rows"]]
     else:
         rows = _run(args)
-        with_speedups(rows)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"warmup_steps": WARMUP_STEPS, "steps": args.steps, "rows": rows},
                                              indent=1))
+    with_speedups(rows)
     print(table(rows))
     if args.figure:
         figure(rows, Path(args.figure))

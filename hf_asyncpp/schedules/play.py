@@ -10,7 +10,9 @@ The play is also a timing model (`cost`: seconds per compute or local action, an
 step among them; `link_s`: seconds per message; the norm all-reduce takes none): each rank runs its
 program in order, an action starts when its rank is free and its inputs are there (a receive's batch
 complete, the global norm it waits for posted by every stage), and a batch completes `link_s` after its
-rank and its peers have reached it (its pair's stream busy until then, as an NCCL send's kernel is).
+rank and its peers have reached it, its pair's stream busy until then, as an NCCL send's kernel is
+(`link_holds_stream`; without, the stream is free once the pair has met and messages overlap on the
+link, as gloo's do).
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ Group = tuple[str, frozenset]
 
 class _Play:
     def __init__(self, program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str,
-                 clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None, link_s: float = 0.0):
+                 clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None, link_s: float = 0.0,
+                 link_holds_stream: bool = True):
         self.program, self.stage_to_rank, self.n_stages = program, stage_to_rank, n_stages
-        self.link_s = link_s
+        self.link_s, self.link_holds_stream = link_s, link_holds_stream
         self.streams, self.clipping = streams, clipping
         self.seconds = cost or (lambda rank, action: 0.0)
         # Messages: per (sender, receiver), the posted sends and receives, in posting order.
@@ -301,8 +304,9 @@ class _Play:
                     for stream in batch.streams:
                         queue = self.queues[(batch.rank, stream)]
                         queue.popleft()
-                        if queue:  # the next batch on this stream can start once this one is done
-                            queue[0].start_at = max(queue[0].start_at, batch.completed_at)
+                        if queue:  # the next batch on this stream can start once this one is done (or met)
+                            freed_at = batch.completed_at - (0.0 if self.link_holds_stream else self.link_s)
+                            queue[0].start_at = max(queue[0].start_at, freed_at)
                     self.open_batches.remove(batch)
                     moved = True
             any_moved |= moved
@@ -363,6 +367,6 @@ class _Play:
 
 def play(program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str,
          clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None,
-         link_s: float = 0.0) -> Timeline:
+         link_s: float = 0.0, link_holds_stream: bool = True) -> Timeline:
     """Play `program` under the rules (ScheduleError on a broken one); its timeline."""
-    return _Play(program, stage_to_rank, n_stages, streams, clipping, cost, link_s).play()
+    return _Play(program, stage_to_rank, n_stages, streams, clipping, cost, link_s, link_holds_stream).play()

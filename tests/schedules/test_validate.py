@@ -686,3 +686,16 @@ def test_each_message_takes_the_link_time_on_its_way():
     link = 0.25
     timeline = get_schedule_spec("gpipe").timeline(2, 1, 1, _cost, link_s=link)
     assert timeline.makespan == 2 * (F_COST + B_COST) + 2 * link
+
+
+def test_a_message_holds_its_pairs_stream_as_nccl_runs_it_or_overlaps_others_as_gloo_sends():
+    """ZBV sends both ways between the same ranks: a message that holds its pair's stream for its time
+    delays the next batch on that stream, where messages that overlap on the link (gloo, the sleeping
+    benchmark's ranks) do not; with instant messages the two are one model."""
+    spec = get_schedule_spec("zbv")
+
+    def step(link_s: float, holds: bool) -> float:
+        return spec.steady_step(4, 8, _cost, link_s=link_s, link_holds_stream=holds)[0]
+
+    assert step(0.0, True) == step(0.0, False)
+    assert step(F_COST, True) > step(F_COST, False) > step(0.0, False)
