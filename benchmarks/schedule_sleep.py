@@ -135,9 +135,9 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
 
 def modelled(row: dict) -> dict:
     """The row's bubble-free limit and the timing model's step (ms; planning/step_time.predict_step) for
-    its sleeps, with messages overlapping on a link as gloo's do (what the ranks here run on) and holding
-    their pair's stream as NCCL's do (what a GPU run gets, and `hf-asyncpp plan` predicts). Raises
-    ValueError or ScheduleError where the schedule refuses the size."""
+    its sleeps, messages moving as gloo's do (buffered sends: what the ranks here run on) and as NCCL's
+    do (what a GPU run gets, and `hf-asyncpp plan` predicts). Raises ValueError or ScheduleError where
+    the schedule refuses the size."""
     from hf_asyncpp.planning.step_time import predict_step
     from hf_asyncpp.schedules import get_schedule_spec
 
@@ -146,8 +146,8 @@ def modelled(row: dict) -> dict:
     clip = clips_globally(row["schedule"])
     spec.check_microbatches(p, m, clip_globally=clip and not spec.synchronous)
     costs = sleeps.stage_costs(spec.n_stages(p), spec.stages_per_rank)
-    step, limit = predict_step(spec, p, m, costs, clip, sleeps.link_s, link_holds_stream=False)
-    nccl, _ = predict_step(spec, p, m, costs, clip, sleeps.link_s, link_holds_stream=True)
+    step, limit = predict_step(spec, p, m, costs, clip, sleeps.link_s, transport="gloo")
+    nccl, _ = predict_step(spec, p, m, costs, clip, sleeps.link_s, transport="nccl")
     return dict(limit_ms=round(1000 * limit, 1), model_ms=round(1000 * step, 1), nccl_model_ms=round(1000 * nccl, 1))
 
 
@@ -236,11 +236,13 @@ def figure(rows: list[dict], path: Path) -> None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(grid_rows, columns, sharey=True, squeeze=False).ravel()
     for ax, (factor, link_s) in zip(axes, panels):
-        for schedule in SCHEDULES:
+        for colour, schedule in enumerate(SCHEDULES):
             points = {(r["pp_size"], r["n_microbatches"]): r["limit_ms"] / r["measured_ms"] for r in measured
                       if (r["schedule"], r["last_stage_factor"], r["link_s"]) == (schedule, factor, link_s)}
-            xs = [i for i, size in enumerate(sizes) if size in points]
-            ax.plot(xs, [points[sizes[i]] for i in xs], marker="o", label=schedule)
+            for depth in sorted({p for p, _ in sizes}):  # one line per depth
+                xs = [i for i, size in enumerate(sizes) if size in points and size[0] == depth]
+                ax.plot(xs, [points[sizes[i]] for i in xs], marker="o", color=f"C{colour}",
+                        label=schedule if depth == sizes[0][0] else None)
         ax.set_xticks(range(len(sizes)), [f"p{p}\nm{m}" for p, m in sizes])
         balance = "balanced" if factor == 1 else f"last stage {factor:g}×"
         ax.set_title(f"{balance}, link {1000 * link_s:g} ms", fontsize=10)
@@ -271,17 +273,18 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="measured steps, after 2 warm-up steps")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--figure", help="also draw the rows here (PNG)")
-    parser.add_argument("--report-only", action="store_true", help="print the table (and --figure) of --out's rows")
+    parser.add_argument("--report-only", action="store_true",
+                        help="--out's measured rows with the model's columns recomputed: rewritten, printed (and drawn)")
     args = parser.parse_args(argv)
     if args.report_only:  # the model's columns recomputed: a change to the model needs no new measurement
-        rows = [with_ratios(r | modelled(r)) if "measured_ms" in r else r
-                for r in json.loads(Path(args.out).read_text())["rows"]]
+        kept = json.loads(Path(args.out).read_text())
+        rows = [with_ratios(r | modelled(r)) if "measured_ms" in r else r for r in kept["rows"]]
+        steps = kept["steps"]
     else:
-        rows = _run(args)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"warmup_steps": WARMUP_STEPS, "steps": args.steps, "rows": rows},
-                                             indent=1))
+        rows, steps = _run(args), args.steps
     with_speedups(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"warmup_steps": WARMUP_STEPS, "steps": steps, "rows": rows}, indent=1))
     print(table(rows))
     if args.figure:
         figure(rows, Path(args.figure))

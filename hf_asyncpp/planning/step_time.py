@@ -92,10 +92,9 @@ def message_s(config, model_config, device: Device) -> float:
 
 
 def predict_step(spec, pp_size: int, n_microbatches: int, costs: list[StageCost], clip_globally: bool = False,
-                 link_s: float = 0.0, link_holds_stream: bool = True) -> tuple[float, float]:
+                 link_s: float = 0.0, transport: str = "nccl") -> tuple[float, float]:
     """(step, bubble-free limit) in seconds of schedule `spec` once its pipeline is full, stage s costing
-    costs[s] and each message `link_s`, holding its pair's stream (NCCL) or not (ScheduleSpec.steady_step:
-    the timing model)."""
+    costs[s] and each message `link_s` over `transport` (ScheduleSpec.steady_step: the timing model)."""
     from ..torch_internals import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, REDUCE_GRAD
 
     def cost(rank, action) -> float:
@@ -105,7 +104,7 @@ def predict_step(spec, pp_size: int, n_microbatches: int, costs: list[StageCost]
                 REDUCE_GRAD: c.optimizer_s}.get(action.computation_type, 0.0)
 
     return spec.steady_step(pp_size, n_microbatches, cost, clip_globally=clip_globally, link_s=link_s,
-                            link_holds_stream=link_holds_stream)
+                            transport=transport)
 
 
 def predict_steps(config, model_config, world_size: int, device: Device = Device(),

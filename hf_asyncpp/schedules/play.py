@@ -9,10 +9,11 @@ matching_receive.
 The play is also a timing model (`cost`: seconds per compute or local action, an update's optimizer
 step among them; `link_s`: seconds per message; the norm all-reduce takes none): each rank runs its
 program in order, an action starts when its rank is free and its inputs are there (a receive's batch
-complete, the global norm it waits for posted by every stage), and a batch completes `link_s` after its
-rank and its peers have reached it, its pair's stream busy until then, as an NCCL send's kernel is
-(`link_holds_stream`; without, the stream is free once the pair has met and messages overlap on the
-link, as gloo's do).
+complete, the global norm it waits for posted by every stage), and messages move by `transport`:
+"nccl" (what a GPU run gets, and the default): a batch completes `link_s` after its rank and its peers
+have reached it, its pair's stream busy until then, as an NCCL group's kernel is; "gloo" (what the CPU
+ranks of benchmarks/schedule_sleep.py run on): a send is buffered, done once posted, its message
+arriving `link_s` after it, and a pair's next batch starts without waiting.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ Group = tuple[str, frozenset]
 class _Play:
     def __init__(self, program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str,
                  clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None, link_s: float = 0.0,
-                 link_holds_stream: bool = True):
+                 transport: str = "nccl"):
         self.program, self.stage_to_rank, self.n_stages = program, stage_to_rank, n_stages
-        self.link_s, self.link_holds_stream = link_s, link_holds_stream
+        self.link_s, self.buffered = link_s, transport == "gloo"
         self.streams, self.clipping = streams, clipping
         self.seconds = cost or (lambda rank, action: 0.0)
         # Messages: per (sender, receiver), the posted sends and receives, in posting order.
@@ -295,17 +296,21 @@ class _Play:
                         other = theirs[k][1]
                         batch.done[i] = True
                         other.done[other.channel_index.index((channel, k, not is_send))] = True
-                        met_at = max(batch.start_at, other.start_at) + self.link_s
-                        batch.completed_at = max(batch.completed_at, met_at)
-                        other.completed_at = max(other.completed_at, met_at)
+                        if self.buffered:  # gloo: the message travels from its send, which is done at once
+                            sender, receiver = (batch, other) if is_send else (other, batch)
+                            receiver.completed_at = max(receiver.completed_at, sender.start_at + self.link_s)
+                        else:  # NCCL: the pair meets, then the message takes its time
+                            met_at = max(batch.start_at, other.start_at) + self.link_s
+                            batch.completed_at = max(batch.completed_at, met_at)
+                            other.completed_at = max(other.completed_at, met_at)
                         moved = True
                 if all(batch.done):
                     batch.complete = True
                     for stream in batch.streams:
                         queue = self.queues[(batch.rank, stream)]
                         queue.popleft()
-                        if queue:  # the next batch on this stream can start once this one is done (or met)
-                            freed_at = batch.completed_at - (0.0 if self.link_holds_stream else self.link_s)
+                        if queue:  # the next batch on this stream can start once this one is done (NCCL)
+                            freed_at = batch.start_at if self.buffered else batch.completed_at
                             queue[0].start_at = max(queue[0].start_at, freed_at)
                     self.open_batches.remove(batch)
                     moved = True
@@ -367,6 +372,6 @@ class _Play:
 
 def play(program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str,
          clipping: "GlobalClipping | None", cost: Callable[[int, _Action], float] | None,
-         link_s: float = 0.0, link_holds_stream: bool = True) -> Timeline:
+         link_s: float = 0.0, transport: str = "nccl") -> Timeline:
     """Play `program` under the rules (ScheduleError on a broken one); its timeline."""
-    return _Play(program, stage_to_rank, n_stages, streams, clipping, cost, link_s, link_holds_stream).play()
+    return _Play(program, stage_to_rank, n_stages, streams, clipping, cost, link_s, transport).play()

@@ -120,15 +120,15 @@ class ScheduleSpec:
                        if ranks[s] != ranks[s + 1]})
 
     def timeline(self, pp_size: int, n_microbatches: int, n_steps: int, cost, clip_globally: bool = False,
-                 streams: str = "pair", link_s: float = 0.0, link_holds_stream: bool = True) -> Timeline:
+                 streams: str = "pair", link_s: float = 0.0, transport: str = "nccl") -> Timeline:
         """n_steps steps played as a timing model (validate.check_program with `cost(rank, action)`
         seconds per action, `link_s` per message): synchronous schedules step after step, each flushed
         and ended by each stage's update (a REDUCE_GRAD action, what `cost` charges for the optimizer
         step) after, when clipping by the global norm, the norm's all-reduce over every rank; asynchronous
         ones as their runtime plans them (a stage's update is its REDUCE_GRAD), clipping by the global
         norm if `clip_globally`. `streams`: "pair" as the runtime posts on NCCL (a group per pair of
-        ranks), "rank" for one group per pipeline; `link_holds_stream`: whether a message's time holds its
-        pair's stream (NCCL) or messages overlap (gloo)."""
+        ranks), "rank" for one group per pipeline; `transport`: how messages move, "nccl" or "gloo"
+        (schedules/play.py)."""
         n_stages, to_rank = self.n_stages(pp_size), self.stage_ranks(pp_size).__getitem__
         clipping = None
         if self.order is None:
@@ -140,17 +140,17 @@ class ScheduleSpec:
             program = self.programs(pp_size, n_microbatches, n_steps, to_rank)
             clipping = GlobalClipping(self.order, pp_size, n_microbatches) if clip_globally else None
         return check_program(program, to_rank, n_stages, streams, clipping=clipping, cost=cost, link_s=link_s,
-                             link_holds_stream=link_holds_stream)
+                             transport=transport)
 
     def _updates(self, pp_size: int, rank: int) -> list[_Action]:
         """A synchronous step's end on `rank`: each of its stages' update."""
         return [_Action(s, REDUCE_GRAD, None) for s in self.stage_indices(pp_size, rank)]
 
     def steady_step(self, pp_size: int, n_microbatches: int, cost=model_cost, clip_globally: bool = False,
-                    streams: str = "pair", link_s: float = 0.0, link_holds_stream: bool = True) -> tuple[float, float]:
+                    streams: str = "pair", link_s: float = 0.0, transport: str = "nccl") -> tuple[float, float]:
         """(step, limit) once the pipeline is full, in the timing model: how much the makespan, and
         the busiest rank's compute, grow per step from 3 to 5 steps."""
-        short, long = (self.timeline(pp_size, n_microbatches, n, cost, clip_globally, streams, link_s, link_holds_stream)
+        short, long = (self.timeline(pp_size, n_microbatches, n, cost, clip_globally, streams, link_s, transport)
                        for n in (3, 5))
         return (long.makespan - short.makespan) / 2, max(long.busy[r] - short.busy[r] for r in long.busy) / 2
 

@@ -108,11 +108,13 @@ def check_schedule(actions: ComputeActions, pp_size: int, n_stages: int, n_micro
 def check_program(program: Program, stage_to_rank: Callable[[int], int], n_stages: int, streams: str = "pair",
                   clipping: "GlobalClipping | None" = None,
                   cost: Callable[[int, _Action], float] | None = None, link_s: float = 0.0,
-                  link_holds_stream: bool = True) -> Timeline:
+                  transport: str = "nccl") -> Timeline:
     """Play every rank's program under NCCL's rules (see the module docstring; play.py plays them); raise
     ScheduleError. `cost(rank, action)`: the seconds a compute or local action takes (default: none);
-    `link_s`: the seconds a message takes from its batch's start to its arrival (default: none), holding
-    its pair's stream meanwhile (`link_holds_stream`, as NCCL) or not (as gloo)."""
+    `link_s`: the seconds a message takes to arrive (default: none); `transport`: "nccl" (the rules) or
+    "gloo" (buffered sends: a timing of the CPU ranks, play.py's docstring)."""
+    if transport not in ("nccl", "gloo"):
+        raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
     if streams not in ("pair", "rank"):
         raise ValueError(f"streams must be 'pair' or 'rank', got {streams!r}")
-    return play(program, stage_to_rank, n_stages, streams, clipping, cost, link_s, link_holds_stream)
+    return play(program, stage_to_rank, n_stages, streams, clipping, cost, link_s, transport)

@@ -79,7 +79,12 @@ def test_plan_command_writes_every_rank_and_refuses_a_budget_too_small_in_one_li
     report = json.loads(out.read_text())
     assert [(r["rank"], r["pp_rank"], r["dp_rank"]) for r in report["ranks"]] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert all(r["peak_bytes"] > r["parameter_bytes"] > 0 for r in report["ranks"])
-    assert "every rank fits" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "every rank of pipedream-2bw fits" in out
+    # each schedule's predicted step; only the config's memory was played, so it is the fastest that fits
+    assert [r["schedule"] for r in report["steps"]] == ["1f1b", "interleaved-1f1b", "zbv", "pipedream-2bw", "wpipe",
+                                                        "pipedream"]
+    assert "fastest that fits: pipedream-2bw" in out
 
     budget = allowance(report["ranks"][0])["total"] + report["ranks"][0]["peak_bytes"] / 2 / GiB  # half its peak
     assert cli(["plan", str(config), "--world-size", "4", "--gpu-memory-gib", f"{budget:.6f}"]) == 1

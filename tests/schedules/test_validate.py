@@ -688,14 +688,20 @@ def test_each_message_takes_the_link_time_on_its_way():
     assert timeline.makespan == 2 * (F_COST + B_COST) + 2 * link
 
 
-def test_a_message_holds_its_pairs_stream_as_nccl_runs_it_or_overlaps_others_as_gloo_sends():
-    """ZBV sends both ways between the same ranks: a message that holds its pair's stream for its time
-    delays the next batch on that stream, where messages that overlap on the link (gloo, the sleeping
-    benchmark's ranks) do not; with instant messages the two are one model."""
+def test_messages_move_as_nccl_moves_them_or_as_gloo_buffers_them():
+    """ZBV sends both ways between the same ranks. On NCCL a pair's batch completes once both ranks have
+    reached it and its message has taken its time, and the pair's next batch waits for it; gloo buffers
+    a send, its message arriving its time after it (the sleeping benchmark's ranks). Slow links cost
+    NCCL's pairs more; instant ones cost neither."""
     spec = get_schedule_spec("zbv")
 
-    def step(link_s: float, holds: bool) -> float:
-        return spec.steady_step(4, 8, _cost, link_s=link_s, link_holds_stream=holds)[0]
+    def cost(rank, action):  # a forward, an input gradient and a weight gradient: 1 each
+        return MODEL_COSTS.get(action.computation_type, 0.0)
 
-    assert step(0.0, True) == step(0.0, False)
-    assert step(F_COST, True) > step(F_COST, False) > step(0.0, False)
+    def step(link_s: float, transport: str) -> float:
+        return spec.steady_step(4, 4, cost, link_s=link_s, transport=transport)[0]
+
+    assert step(0.0, "nccl") == step(0.0, "gloo") == 30  # 24 computing, 6 of ZBV's ramp at m = p
+    assert step(1.0, "nccl") > step(1.0, "gloo") > step(0.0, "gloo")
+    with pytest.raises(ValueError, match="transport"):
+        spec.steady_step(4, 4, cost, transport="mpi")
