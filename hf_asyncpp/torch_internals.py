@@ -22,6 +22,7 @@ each name's behaviour on the installed release, and CI runs it at both ends of t
 | `_foreach_sub_`, `_foreach_add_`, `_utils._(un)flatten_dense_tensors` | Error Feedback's step; one all-reduce for a stage's gradients | 2.11–2.15 |
 | `utils._python_dispatch.TorchDispatchMode`, `utils._pytree.tree_flatten`, DTensor `_local_tensor` (`local_shard`) | the memory tracker | 2.11–2.15 |
 | `nn.Module._parameters` / `_buffers` (`own_slots`) | initial values drawn on the CPU for any device | 2.11–2.15 |
+| flat all-gather and reduce-scatter (`all_gather_flat`, `reduce_scatter_flat`; public, renamed) | dp-sharded stage state | `all_gather_into_tensor` / `reduce_scatter_tensor` (2.11–2.15; deprecated from 2.13, warning once per process), `all_gather_single` / `reduce_scatter_single` (2.13+): the newer where present |
 | FSDP2's unsharded tensors (`fsdp_unsharded`) | the memory plan names gathered compute copies and gradients before their reduction | a module's param groups: `_fsdp_param_group` (2.11), `_fsdp_param_groups` (2.12+); each param's `all_gather_outputs`, `_unsharded_param.grad`, and its reduce-dtype sums `unsharded_accumulated_grad` (a field up to 2.14; 2.15 accumulates in the unsharded grad) |
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 from torch import _foreach_add_, _foreach_sub_
 from torch._subclasses import fake_impls
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -62,9 +64,14 @@ __all__ = [
     "RECV_B", "RECV_F", "REDUCE_GRAD", "RESHARD", "RELEASE", "SEND_B", "SEND_F", "STAGE_METADATA", "SUPPORTED",
     "UNSHARD", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "_Action", "_ComputationType", "_abort_process_group",
     "_flatten_dense_tensors", "_foreach_add_", "_foreach_sub_", "_unflatten_dense_tensors", "_add_unshard_reshard", "_adjust_lr", "_format_pipeline_order", "_set_pg_timeout",
-    "_validate_schedule", "fake_impls", "fake_store", "forget_forward", "fsdp_unsharded", "local_shard", "own_slots", "prepare_stages", "receive_buffers",
-    "release_of", "tree_flatten", "unset_fake_temporarily",
+    "_validate_schedule", "all_gather_flat", "fake_impls", "fake_store", "forget_forward", "fsdp_unsharded", "local_shard", "own_slots", "prepare_stages", "receive_buffers",
+    "reduce_scatter_flat", "release_of", "tree_flatten", "unset_fake_temporarily",
 ]
+
+# One tensor gathered from (scattered to) every rank of a group: 2.13 renamed the collectives and deprecates
+# the old names, which 2.11 alone has.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # The releases supported, oldest and newest (setup.cfg states the same bounds; CI tests both ends).
 SUPPORTED = ((2, 11), (2, 15))

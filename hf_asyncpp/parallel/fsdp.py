@@ -20,11 +20,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from ..torch_internals import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["compute_dtype", "fully_shard_stage", "gather_whole", "keeps_fp32", "reduce_dtype",
            "reduce_scatter_rows", "shard_parameters", "unshard_parameters"]
@@ -188,7 +189,7 @@ def _gather_rows(sharded: list[tuple[str, DTensor]], dtype: torch.dtype) -> dict
         blocks.append(torch.nn.functional.pad(local.reshape(-1), (0, (r - local.shape[0]) * per_row)))
     mine = torch.cat(blocks)
     everyone = torch.empty(dp * mine.numel(), dtype=dtype, device=mine.device)
-    dist.all_gather_into_tensor(everyone, mine, group=mesh.get_group())
+    all_gather_flat(everyone, mine, group=mesh.get_group())
     everyone = everyone.view(dp, -1)
     whole, offset = {}, 0
     for name, tensor in sharded:
@@ -212,7 +213,7 @@ def _reduce_scatter_rows(sharded: list[tuple[str, DTensor]], sums: dict[str, tor
         blocks.append(torch.nn.functional.pad(flat, (0, (dp * r - tensor.shape[0]) * per_row)).view(dp, -1))
     everyone = torch.cat(blocks, dim=1).reshape(-1)
     mine = torch.empty(everyone.numel() // dp, dtype=dtype, device=everyone.device)
-    dist.reduce_scatter_tensor(mine, everyone, group=mesh.get_group())
+    reduce_scatter_flat(mine, everyone, group=mesh.get_group())
     mine = mine.float().mul_(scale / dp)
     reduced, offset = {}, 0
     for name, tensor in sharded:

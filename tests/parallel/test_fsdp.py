@@ -299,16 +299,15 @@ def test_under_bf16_the_router_statistics_cross_stages_in_fp32(schedule):
 
 def _gathered_vs_full_tensor(rank, world_size):
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from hf_asyncpp.parallel.fsdp import gather_whole
+    from hf_asyncpp.parallel import fsdp
     from hf_asyncpp.parallel.launch import read_launch
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
 
     init_parallel(read_launch(), 1)
-    original = dist.all_gather_into_tensor
+    original = fsdp.all_gather_flat  # the release's flat all-gather (torch_internals)
     calls = []
     try:
         mesh = init_device_mesh("cpu", (world_size,))
@@ -325,13 +324,13 @@ def _gathered_vs_full_tensor(rank, world_size):
             calls.append(args[1].dtype)
             return original(*args, **kwargs)
 
-        dist.all_gather_into_tensor = counting
+        fsdp.all_gather_flat = counting
         dtype_of = lambda name, t: torch.float32 if name == "keep_fp32" else torch.bfloat16
-        gathered = gather_whole(tensors, dtype_of)
+        gathered = fsdp.gather_whole(tensors, dtype_of)
         return dict(equal={n: bool(torch.equal(gathered[n], whole[n].to(dtype_of(n, whole[n])))) for n in whole},
                     dtypes={n: str(g.dtype) for n, g in gathered.items()}, collectives=sorted(map(str, calls)))
     finally:
-        dist.all_gather_into_tensor = original
+        fsdp.all_gather_flat = original
         shutdown_parallel()
 
 
@@ -349,7 +348,6 @@ def test_a_versions_compute_copy_is_gathered_in_its_dtype_with_one_collective_pe
 
 def _reduced_vs_summed(rank, world_size):
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -358,7 +356,7 @@ def _reduced_vs_summed(rank, world_size):
     from hf_asyncpp.parallel.mesh import init_parallel, shutdown_parallel
 
     init_parallel(read_launch(), 1)
-    original, original_cap = dist.reduce_scatter_tensor, fsdp.BUCKET_BYTES
+    original, original_cap = fsdp.reduce_scatter_flat, fsdp.BUCKET_BYTES
     calls = []
     try:
         mesh = init_device_mesh("cpu", (world_size,))
@@ -374,7 +372,7 @@ def _reduced_vs_summed(rank, world_size):
             calls.append(args[1].numel())
             return original(*args, **kwargs)
 
-        dist.reduce_scatter_tensor = counting
+        fsdp.reduce_scatter_flat = counting
         reports = {}
         for cap in (original_cap, 40):  # every tensor in one bucket; then buckets of ≤ 10 fp32 values
             fsdp.BUCKET_BYTES, calls[:] = cap, []
@@ -399,7 +397,7 @@ def _reduced_vs_summed(rank, world_size):
             differs_from_fp32=any(not torch.equal(in_bf16[n], expected[n]) for n in ("uneven", "stack")))
         return reports
     finally:
-        dist.reduce_scatter_tensor, fsdp.BUCKET_BYTES = original, original_cap
+        fsdp.reduce_scatter_flat, fsdp.BUCKET_BYTES = original, original_cap
         shutdown_parallel()
 
 

@@ -401,6 +401,18 @@ def test_foreach_arithmetic_used_by_error_feedback():
     assert torch.equal(a[0], torch.full((2,), -0.5))
 
 
+def test_the_flat_collectives_are_the_releases_undeprecated_names():
+    """FSDP's gathered state moves through one flat all-gather / reduce-scatter: the `_single` names where
+    the release has them (2.13 deprecates the old ones), the `_tensor` ones before, called alike (what
+    they move: tests/parallel/test_fsdp.py)."""
+    newest = hasattr(dist, "all_gather_single")
+    assert torch_internals.all_gather_flat is (dist.all_gather_single if newest else dist.all_gather_into_tensor)
+    assert torch_internals.reduce_scatter_flat is (dist.reduce_scatter_single if newest else dist.reduce_scatter_tensor)
+    assert list(inspect.signature(torch_internals.all_gather_flat).parameters)[:3] == ["output_tensor", "input_tensor",
+                                                                                         "group"]
+    assert list(inspect.signature(torch_internals.reduce_scatter_flat).parameters)[:2] == ["output", "input"]
+
+
 def test_process_group_abort_and_timeout_used_by_the_mesh():
     """parallel/mesh.py aborts a group whose peer is lost and sets a group's timeout through c10d's private
     helpers (their behaviour: tests/parallel/test_mesh.py)."""
