@@ -75,16 +75,19 @@ def test_plan_command_writes_every_rank_and_refuses_a_budget_too_small_in_one_li
     config.write_text(f"model_config: {PRESET}\npp_size: 2\nschedule: pipedream-2bw\nseq_len: 64\n"
                       "micro_batch_size: 2\nn_microbatches: 4\nmax_steps: 10\nmixed_precision: 'no'\n")
     out = tmp_path / "plan.json"
-    assert cli(["plan", str(config), "--world-size", "4", "--gpu-memory-gib", "80", "--json", str(out)]) == 0
+    assert cli(["plan", str(config), "--world-size", "4", "--gpu-memory-gib", "80", "--json", str(out),
+                "--schedules", "1f1b"]) == 0
     report = json.loads(out.read_text())
     assert [(r["rank"], r["pp_rank"], r["dp_rank"]) for r in report["ranks"]] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert all(r["peak_bytes"] > r["parameter_bytes"] > 0 for r in report["ranks"])
     out = capsys.readouterr().out
     assert "every rank of pipedream-2bw fits" in out
-    # each schedule's predicted step; only the config's memory was played, so it is the fastest that fits
-    assert [r["schedule"] for r in report["steps"]] == ["1f1b", "interleaved-1f1b", "zbv", "pipedream-2bw", "wpipe",
-                                                        "pipedream"]
-    assert "fastest that fits: pipedream-2bw" in out
+    # each schedule's predicted step; the fastest of the two whose memory was played (both fit) is named
+    steps = {r["schedule"]: r for r in report["steps"]}
+    assert list(steps) == ["1f1b", "interleaved-1f1b", "zbv", "pipedream-2bw", "wpipe", "pipedream"]
+    assert list(report["other_schedules"]) == ["1f1b"] and len(report["other_schedules"]["1f1b"]) == 4
+    faster = min(("1f1b", "pipedream-2bw"), key=lambda name: steps[name]["step_s"])
+    assert f"fastest that fits: {faster}" in out
 
     budget = allowance(report["ranks"][0])["total"] + report["ranks"][0]["peak_bytes"] / 2 / GiB  # half its peak
     assert cli(["plan", str(config), "--world-size", "4", "--gpu-memory-gib", f"{budget:.6f}"]) == 1
