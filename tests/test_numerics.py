@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from hf_asyncpp.provenance import NUMERICS
+from hf_asyncpp.provenance import NUMERICS, machine
 from tests.test_engine import save_model_dir, small_model_config
 
 RUNS = {
@@ -42,6 +42,14 @@ PINNED = {
     "2026-12-05": {"adamw-sync": [8.7647538, 8.2108107, 7.1643198, 7.1118037],
                    "muon-2bw-ef": [8.6437538, 6.3765398, 4.3642008, 3.8180504],
                    "soap-pipedream": [8.8329253, 6.0350361, 5.2918683, 4.666693]},
+}
+# Processors whose kernels take a run further than its tolerance, with their own losses for it (the same code,
+# rerun there bitwise). On an AMD EPYC (AVX512) Muon's last loss is 3.5e-4 from the pin, and SOAP's first is
+# 6% off: its eigenbases, taken while the gradients' statistics are still rank-deficient, are any basis of
+# their degenerate eigenspaces, and that processor's LAPACK path picks another one (AdamW stays within 1e-5).
+PINNED_ON = {
+    ("2026-12-05", "AMD EPYC"): {"muon-2bw-ef": [8.6437197, 6.375223, 4.3626825, 3.8172351],
+                                 "soap-pipedream": [8.3040371, 6.0240993, 4.9978212, 4.5983146]},
 }
 
 
@@ -80,6 +88,7 @@ def logged_losses(tmp_path_factory):
 def test_a_short_run_logs_the_losses_pinned_for_the_current_numerics(logged_losses, run):
     assert NUMERICS in PINNED, f"no losses pinned for NUMERICS {NUMERICS!r}: add this code's below it"
     tolerance = 3e-4 if RUNS[run]["optimizer"] == "muon" else 1e-5
-    assert logged_losses[run] == pytest.approx(PINNED[NUMERICS][run], rel=tolerance), (
+    pinned = PINNED[NUMERICS] | PINNED_ON.get((NUMERICS, machine()["cpu"]), {})
+    assert logged_losses[run] == pytest.approx(pinned[run], rel=tolerance), (
         f"{run}'s losses moved: if the change is meant to move numerics, rename provenance.NUMERICS and pin these "
         f"under the new name: {[round(x, 7) for x in logged_losses[run]]}")
