@@ -28,7 +28,7 @@ TINY = {
                          "--micro-batch-size", "1", "--microbatches", "2"],
     "scale_rehearsal.py": ["--model", "training_scripts/models/moe_cpu_1m", "--layers", "4", "--seq-len", "16",
                            "--micro-batch-size", "1", "--microbatches", "2", "--steps", "1"],
-    "revision_step_times.py": ["--base", "HEAD", "--schedules", "1f1b", "--microbatches", "2", "--steps", "1",
+    "revision_step_times.py": ["--base", "HEAD", "--schedules", "1f1b", "--microbatches", "2", "--steps", "2",
                                "--warmup", "1", "--seq-len", "16", "--micro-batch-size", "2", "--emulated-steps", "7",
                                "--rounds", "1"],
     "schedule_model.py": ["--depths", "2"],
