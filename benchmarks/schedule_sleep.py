@@ -45,8 +45,9 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from hf_asyncpp.planning.step_time import SCHEDULES  # every schedule, as the plan predicts them
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "schedule_sleep.json"
-SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "pipedream-2bw", "wpipe", "pipedream")
 SEQ_LEN, WARMUP_STEPS = 4, 2
 
 
@@ -105,7 +106,9 @@ def _sleeping_run(rank, world_size, schedule: str, m: int, sleeps: Sleeps, steps
         engine = PipelineEngine(config, model_config, layout)
         executor = engine.executor
         to_rank, clock = spec.stage_ranks(world_size), DeviceClock(clock_base, overlap)
-        split_backward = BACKWARD_INPUT in {a.computation_type for a in spec.actions(world_size, m)[rank] if a}
+        # the compute lists, unchecked (the engine checked them); an asynchronous order never splits a backward
+        computes = spec.make_actions(world_size, m)[rank] if spec.order is None else []
+        split_backward = BACKWARD_INPUT in {a.computation_type for a in computes if a}
         for module, stage in zip(executor.modules, executor.stage_ids):
             received = (stage > 0 and to_rank[stage - 1] != rank, stage < n_stages - 1 and to_rank[stage + 1] != rank)
             sleep_on(module, sleeps.of_stage(stage, n_stages, spec.stages_per_rank), sleeps.link_s, received,
@@ -138,21 +141,18 @@ def modelled(row: dict) -> dict:
     its sleeps, messages moving as gloo's do (buffered sends: what the ranks here run on) and as NCCL's
     do (what a GPU run gets, and `hf-asyncpp plan` predicts). Raises ValueError or ScheduleError where
     the schedule refuses the size."""
-    from hf_asyncpp.planning.step_time import predict_step
+    from hf_asyncpp.planning.step_time import clips_globally, predict_step
     from hf_asyncpp.schedules import get_schedule_spec
 
     spec, p, m = get_schedule_spec(row["schedule"]), row["pp_size"], row["n_microbatches"]
     sleeps = Sleeps(**{f.name: row[f.name] for f in fields(Sleeps)})
-    clip = clips_globally(row["schedule"])
-    spec.check_microbatches(p, m, clip_globally=clip and not spec.synchronous)
+    clip = clips_globally(spec, p, m, wanted=True)  # by the global norm wherever the order can (not WPipe)
+    spec.check_microbatches(p, m)
     costs = sleeps.stage_costs(spec.n_stages(p), spec.stages_per_rank)
     step, limit = predict_step(spec, p, m, costs, clip, sleeps.link_s, transport="gloo")
     nccl, _ = predict_step(spec, p, m, costs, clip, sleeps.link_s, transport="nccl")
-    return dict(limit_ms=round(1000 * limit, 1), model_ms=round(1000 * step, 1), nccl_model_ms=round(1000 * nccl, 1))
-
-
-def clips_globally(schedule: str) -> bool:
-    return schedule != "wpipe"  # the one schedule that cannot clip by the global norm (config_checks)
+    return dict(clipping="global" if clip else "stage", limit_ms=round(1000 * limit, 1),
+                model_ms=round(1000 * step, 1), nccl_model_ms=round(1000 * nccl, 1))
 
 
 def with_ratios(row: dict) -> dict:
@@ -172,7 +172,7 @@ def measure(pool, schedule: str, pp_size: int, m: int, sleeps: Sleeps, steps: in
         row.update(modelled(row))
     except (ValueError, ScheduleError) as err:
         return dict(row, refused=str(err).splitlines()[0])
-    ran = pool.run(pp_size, _sleeping_run, schedule, m, sleeps, steps, time.perf_counter(), clips_globally(schedule),
+    ran = pool.run(pp_size, _sleeping_run, schedule, m, sleeps, steps, time.perf_counter(), row["clipping"] == "global",
                    clock == "device", timeout_s=300)
     ends = [rank_ends for rank_ends, _, _ in ran]
     last = [max(rank[k] for rank in ends) for k in range(len(ends[0]))]

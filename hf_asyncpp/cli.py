@@ -206,13 +206,13 @@ def _plan(argv: list[str]) -> int:
                         "(default: each rank's own: CUDA context, workspaces, NCCL per communicator, fragmentation)")
     parser.add_argument("--schedules", default="", help="other schedules whose memory to play too, comma-separated "
                         "(each takes as long as the config's)")
-    device = Device()
-    parser.add_argument("--peak-tflops", type=float, default=device.peak_tflops,
+    assumed = Device()
+    parser.add_argument("--peak-tflops", type=float, default=assumed.peak_tflops,
                         help="each GPU's dense bf16 peak for the predicted step (default: an H100 SXM's)")
-    parser.add_argument("--mfu", type=float, default=device.mfu, help="the share of that peak the stages reach")
-    parser.add_argument("--memory-tbs", type=float, default=device.memory_tbs,
+    parser.add_argument("--mfu", type=float, default=assumed.mfu, help="the share of that peak the stages reach")
+    parser.add_argument("--memory-tbs", type=float, default=assumed.memory_tbs,
                         help="each GPU's memory bandwidth, TB/s (the optimizer step)")
-    parser.add_argument("--link-gbs", type=float, default=device.link_gbs,
+    parser.add_argument("--link-gbs", type=float, default=assumed.link_gbs,
                         help="GB/s of the link between pipeline ranks (default: 400 Gb/s InfiniBand)")
     parser.add_argument("--json", dest="json_path", help="write every rank's plan and the predicted steps here")
     args, overrides = _parse(parser, argv, known=True)
@@ -249,7 +249,7 @@ def _plan(argv: list[str]) -> int:
     print(f"\npredicted step per schedule ({device.peak_tflops:g} TFLOP/s × MFU {device.mfu:g}, "
           f"{device.memory_tbs:g} TB/s, links {device.link_gbs:g} GB/s; docs/scale.md):\n{step_table(steps, fits)}")
     best = fastest_fitting(steps, fits)
-    fastest = min((r for r in steps if "step_s" in r), key=lambda r: r["step_s"], default=None)
+    fastest = fastest_fitting(steps, dict.fromkeys(runs, True))
     if best is not None:
         print(f"fastest that fits: {best['schedule']} ({1000 * best['step_s']:.0f} ms a step)")
     if fastest is not None and fastest["schedule"] not in fits:

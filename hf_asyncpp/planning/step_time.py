@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Device", "OPTIMIZER_BYTES", "SCHEDULES", "StageCost", "fastest_fitting", "predict_step", "predict_steps",
-           "stage_costs", "step_table"]
+__all__ = ["Device", "OPTIMIZER_BYTES", "SCHEDULES", "StageCost", "clips_globally", "fastest_fitting", "predict_step",
+           "predict_steps", "stage_costs", "step_table"]
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "pipedream-2bw", "wpipe", "pipedream")
 # An optimizer step per stored parameter (AdamW, fp32): reads the master weight, its gradient and two
@@ -57,38 +57,36 @@ def stage_costs(config, model_config, n_stages: int, device: Device, stage_bound
     """Each of `n_stages` stages' costs, cut as the run cuts them (config.stage_balance, or
     `stage_boundaries` when they are for this many stages)."""
     from ..models import plan_stages
-    from ..models.construct import meta_model
-    from ..utilization import active_parameters, attention_flops_per_token
+    from ..models.split import layer_costs
+    from ..utilization import attention_flops_per_token
 
     plan = plan_stages(model_config, n_stages, config.stage_balance, stage_boundaries)
-    model = meta_model(model_config)
+    # the parameters a token touches per layer and in the LM head and final norm (the embedding's lookup
+    # touches none), and those each stores (the embedding on the first stage)
+    touched, _, head_touched = layer_costs(model_config, "compute")
+    stored, embedding, head_stored = layer_costs(model_config, "params")
     tokens = config.micro_batch_size * config.seq_len
-    tied = not any("lm_head" in name for name, _ in model.named_parameters())
     costs = []
     for s, layers in enumerate(plan):
-        named = [(n, p) for i in layers for n, p in model.model.layers[i].named_parameters()]
-        stored = [p for _, p in named]
-        if s == 0:
-            stored += list(model.model.embed_tokens.parameters())
-        if s == n_stages - 1:
-            named += list(model.model.norm.named_parameters()) + list(model.lm_head.named_parameters())
-            stored += [p for p in model.lm_head.parameters()] + list(model.model.norm.parameters())
-        touched = active_parameters(named, model_config)
-        if s == n_stages - 1 and tied:  # the embedding table is the LM head's matmul too
-            touched += model_config.vocab_size * model_config.hidden_size
-        flops = tokens * (6.0 * touched + attention_flops_per_token(model_config, len(layers), config.seq_len))
+        last = s == n_stages - 1
+        active = sum(touched[i] for i in layers) + (head_touched if last else 0.0)
+        flops = tokens * (6.0 * active + attention_flops_per_token(model_config, len(layers), config.seq_len))
         third = device.compute_s(flops / 3)
         recompute = third if config.activation_checkpointing == "full" else 0.0
-        optimizer_s = OPTIMIZER_BYTES * sum(p.numel() for p in stored) / (device.memory_tbs * 1e12)
-        costs.append(StageCost(third, third + recompute, third, optimizer_s))
+        held = sum(stored[i] for i in layers) + (embedding if s == 0 else 0.0) + (head_stored if last else 0.0)
+        costs.append(StageCost(third, third + recompute, third, OPTIMIZER_BYTES * held / (device.memory_tbs * 1e12)))
     return costs
 
 
 def message_s(config, model_config, device: Device) -> float:
-    """A microbatch's activations between two stages, in the compute dtype, over the link."""
-    bytes_per_value = 2 if config.mixed_precision in ("bf16", "fp16", "auto") else 4
+    """A microbatch's activations between two stages, in the compute dtype a GPU run takes, over the link."""
+    import torch
+
+    from ..parallel.fsdp import compute_dtype
+
+    dtype = compute_dtype(config.mixed_precision, torch.device("cuda"), config.fsdp) or torch.float32
     values = config.micro_batch_size * config.seq_len * model_config.hidden_size
-    return values * bytes_per_value / (device.link_gbs * 1e9)
+    return values * dtype.itemsize / (device.link_gbs * 1e9)
 
 
 def predict_step(spec, pp_size: int, n_microbatches: int, costs: list[StageCost], clip_globally: bool = False,
@@ -107,6 +105,21 @@ def predict_step(spec, pp_size: int, n_microbatches: int, costs: list[StageCost]
                             transport=transport)
 
 
+def clips_globally(spec, pp_size: int, n_microbatches: int, wanted: bool) -> bool:
+    """Whether schedule `spec` clips by the global norm at this size: a synchronous one always (its stages
+    wait for each other anyway), an asynchronous one if `wanted` and its order can wait for every stage's
+    norm there (WPipe's cannot: it clips by stage)."""
+    from ..schedules import ScheduleError
+
+    if spec.synchronous or not wanted:
+        return spec.synchronous
+    try:
+        spec.check_microbatches(pp_size, n_microbatches, clip_globally=True)
+    except (ValueError, ScheduleError):
+        return False
+    return True
+
+
 def predict_steps(config, model_config, world_size: int, device: Device = Device(),
                   schedules: tuple[str, ...] = SCHEDULES) -> list[dict]:
     """One record per schedule at the config's layout (pp_size, n_microbatches, world_size / pp_size
@@ -119,16 +132,9 @@ def predict_steps(config, model_config, world_size: int, device: Device = Device
     records = []
     for name in schedules:
         spec = get_schedule_spec(name)
-        # a synchronous schedule clips by the global norm (its stages wait for each other anyway); an
-        # asynchronous one as configured, or by stage where its order cannot wait for global norms (WPipe)
-        clip = config.max_grad_norm > 0 and (spec.synchronous or config.clips_by_global_norm)
+        clip = config.max_grad_norm > 0 and clips_globally(spec, pp, m, config.clips_by_global_norm)
         record = {"schedule": name}
         try:
-            if clip and not spec.synchronous:
-                try:
-                    spec.check_microbatches(pp, m, clip_globally=True)
-                except (ValueError, ScheduleError):
-                    clip = False
             spec.check_microbatches(pp, m)
             n_stages = spec.n_stages(pp)
             boundaries = config.stage_boundaries if config.stage_boundaries and \
